@@ -1,0 +1,157 @@
+"""Tool catalogs: MCP `tools/list` results read from files and merged into one namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import orjson
+
+SEP = "__"  # server__tool, as MCP gateways name merged tools
+
+
+class CatalogError(ValueError):
+    """A catalog file is unusable; the message names the file and, where known, the tool."""
+
+
+class Tool(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    description: str = ""
+    inputSchema: dict[str, Any] = {}
+    title: str | None = None
+    outputSchema: dict[str, Any] | None = None
+    annotations: dict[str, Any] | None = None
+    cases: list[str] | None = None  # use-case phrases written by the catalog's author
+    server: str | None = None  # set when merged from a server's catalog
+
+    @property
+    def bare_name(self) -> str:
+        """The name the server itself gives the tool (without the server__ prefix)."""
+        if self.server and self.name.startswith(self.server + SEP):
+            return self.name[len(self.server) + len(SEP):]
+        return self.name
+
+    @property
+    def content_hash(self) -> str:
+        """Changes exactly when what the index derives from the tool changes."""
+        payload = orjson.dumps(
+            [self.name, self.title, self.description, self.inputSchema, self.cases],
+            option=orjson.OPT_SORT_KEYS,
+        )
+        return hashlib.sha256(payload).hexdigest()
+
+    def definition(self) -> dict[str, Any]:
+        """The tool as an MCP client expects it in tools/list (what `inject` sends)."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.title:
+            out["title"] = self.title
+        out["description"] = self.description
+        out["inputSchema"] = self.inputSchema or {"type": "object"}
+        if self.outputSchema:
+            out["outputSchema"] = self.outputSchema
+        if self.annotations:
+            out["annotations"] = self.annotations
+        return out
+
+
+class Catalog:
+    """An ordered, uniquely named set of tools."""
+
+    def __init__(self, tools: Iterable[Tool], sources: Sequence[str] = ()):
+        self.tools = tuple(tools)
+        self.sources = tuple(sources)
+        self._by_name = {t.name: t for t in self.tools}
+
+    def __len__(self) -> int:
+        return len(self.tools)
+
+    def __iter__(self):
+        return iter(self.tools)
+
+    def get(self, name: str) -> Tool | None:
+        return self._by_name.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+
+def _fail(path: str, msg: str, tool: str | None = None) -> CatalogError:
+    where = f"{path}: tool {tool!r}" if tool else path
+    return CatalogError(f"{where}: {msg}")
+
+
+def parse_tools(data: Any, origin: str) -> tuple[str | None, list[Tool]]:
+    """Validate a decoded catalog; returns (server name if declared, tools)."""
+    if isinstance(data, dict) and isinstance(data.get("result"), dict):
+        data = data["result"]  # a raw JSON-RPC response
+    if isinstance(data, list):
+        data = {"tools": data}
+    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
+        raise _fail(origin, 'expected an MCP tools/list result: {"tools": [...]}')
+    server = data.get("server")
+    if server is not None and (not isinstance(server, str) or not server.strip()):
+        raise _fail(origin, '"server" must be a non-empty string')
+    tools: list[Tool] = []
+    for i, raw in enumerate(data["tools"]):
+        label = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else f"#{i}"
+        if not isinstance(raw, dict):
+            raise _fail(origin, "is not a JSON object", label)
+        fields = {k: raw[k] for k in ("name", "description", "inputSchema", "title", "outputSchema", "annotations", "cases") if k in raw}
+        if fields.get("description") is None:
+            fields.pop("description", None)
+        try:
+            tool = msgspec.convert(fields, Tool)
+        except msgspec.ValidationError as e:
+            raise _fail(origin, str(e).replace("$.", ""), label) from None
+        if not tool.name.strip():
+            raise _fail(origin, "has an empty name", label)
+        if tool.cases is not None and not all(c.strip() for c in tool.cases):
+            raise _fail(origin, '"cases" holds an empty phrase', label)
+        tools.append(tool)
+    return server, tools
+
+
+def load(paths: Sequence[str | pathlib.Path]) -> Catalog:
+    """Read and merge catalog files. With several files, names become server__tool."""
+    if not paths:
+        raise CatalogError("no catalog given (pass --catalog FILE)")
+    per_file: list[tuple[str, str, list[Tool]]] = []
+    for p in paths:
+        path = pathlib.Path(p)
+        try:
+            data = orjson.loads(path.read_bytes())
+        except OSError as e:
+            raise CatalogError(f"{path}: cannot read ({e.strerror})") from None
+        except orjson.JSONDecodeError as e:
+            raise CatalogError(f"{path}: not valid JSON ({e})") from None
+        server, tools = parse_tools(data, str(path))
+        per_file.append((str(path), server or path.stem, tools))
+    merge = len(per_file) > 1
+    out: list[Tool] = []
+    seen: dict[str, str] = {}
+    for origin, server, tools in per_file:
+        for tool in tools:
+            tool = _placed(tool, server, qualify=merge)
+            if tool.name in seen:
+                raise _fail(origin, f"name is not unique (also in {seen[tool.name]})", tool.name)
+            seen[tool.name] = origin
+            out.append(tool)
+    return Catalog(out, [o for o, _, _ in per_file])
+
+
+def _placed(tool: Tool, server: str, qualify: bool) -> Tool:
+    """Attach the server; qualify the name when merging, unless it already is (ALL.json)."""
+    if SEP in tool.name and tool.server is None:
+        prefix = tool.name.split(SEP, 1)[0]
+        return msgspec.structs.replace(tool, server=prefix)
+    name = f"{server}{SEP}{tool.name}" if qualify else tool.name
+    return msgspec.structs.replace(tool, name=name, server=server)
+
+
+def from_tools(tools: Iterable[dict[str, Any]], origin: str = "<session>") -> Catalog:
+    """A catalog from in-memory definitions (e.g. tools sent in a session's hello)."""
+    _, parsed = parse_tools({"tools": list(tools)}, origin)
+    return Catalog(parsed, [origin])

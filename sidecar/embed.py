@@ -1,0 +1,111 @@
+"""Text embeddings from a GGUF model through llama.cpp.
+
+llama-cpp-python's `embed()` returns raw (unnormalised) vectors and silently cuts input
+at `n_batch` tokens. We normalise every vector and cut over-long text ourselves, saying
+so, because a gate that judged half a message without knowing it is wrong silently.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+Kind = Literal["query", "document"]
+
+
+class EmbedError(RuntimeError):
+    """The model cannot be loaded or cannot embed."""
+
+
+class Embedded(msgspec.Struct):
+    vectors: np.ndarray  # (n, dim) float32, unit rows
+    truncated: list[bool]
+
+
+class Embedder:
+    """One loaded model. llama.cpp contexts are not thread-safe, so calls take a lock."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        name: str,
+        identity: str,
+        threads: int | None = None,
+        prefixes: tuple[str, str] | None = None,
+        max_tokens: int | None = None,
+    ):
+        from llama_cpp import Llama  # imported here: loading the library costs ~0.1 s
+
+        if not os.path.isfile(path):
+            raise EmbedError(f"model file not found: {path}")
+        threads = threads or max(1, os.cpu_count() or 1)
+        try:
+            probe = Llama(model_path=path, embedding=True, n_ctx=0, vocab_only=True, verbose=False)
+            trained = int(probe.n_ctx_train())
+            del probe
+        except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
+            raise EmbedError(f"cannot load model {path}: {e}") from None
+        n_ctx = min(trained, max_tokens or trained, 8192)
+        try:
+            # Non-causal embedding models need a whole sequence in one micro-batch, and
+            # n_ubatch below n_batch has been seen to abort llama.cpp: keep them equal.
+            self._llm = Llama(
+                model_path=path,
+                embedding=True,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
+        except Exception as e:
+            raise EmbedError(f"cannot load model {path}: {e}") from None
+        self.name = name
+        self.path = path
+        self.identity = identity  # content hash of the weights: keys the embedding cache
+        self.prefixes = prefixes  # (query, document) task prefixes, or None
+        self.max_tokens = n_ctx
+        self.dim = int(self._llm.n_embd())
+        self.threads = threads
+        self._lock = threading.Lock()
+
+    def prefixed(self, text: str, kind: Kind) -> str:
+        if not self.prefixes:
+            return text
+        return (self.prefixes[0] if kind == "query" else self.prefixes[1]) + text
+
+    def count_tokens(self, text: str) -> int:
+        with self._lock:
+            return len(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+
+    def _fit(self, text: str) -> tuple[str, bool]:
+        """Cut `text` to what the model takes, on a token boundary, and say whether we cut."""
+        raw = text.encode("utf-8")
+        if len(raw) < self.max_tokens:  # a token is at least one byte
+            return text, False
+        tokens = self._llm.tokenize(raw, add_bos=False, special=False)
+        budget = self.max_tokens - 4  # room for BOS/CLS, SEP/EOS
+        if len(tokens) <= budget:
+            return text, False
+        head = self._llm.detokenize(tokens[:budget]).decode("utf-8", errors="ignore")
+        return head, True
+
+    def embed(self, texts: list[str], kind: Kind = "query") -> Embedded:
+        if not texts:
+            return Embedded(np.zeros((0, self.dim), np.float32), [])
+        with self._lock:
+            fitted = [self._fit(self.prefixed(t, kind)) for t in texts]
+            try:
+                raw = self._llm.embed([t for t, _ in fitted], normalize=False, truncate=False)
+            except Exception as e:
+                raise EmbedError(f"{self.name}: embedding failed: {e}") from None
+        vectors = np.asarray(raw, dtype=np.float32).reshape(len(texts), self.dim)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        vectors /= np.where(norms == 0, 1.0, norms)
+        return Embedded(vectors, [cut for _, cut in fitted])

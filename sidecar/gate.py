@@ -1,0 +1,114 @@
+"""The tiered gate: negative patterns block, high-confidence patterns lower the bar,
+everything else must clear a high semantic threshold. Pure: no model, no I/O.
+
+The gate is split in two so the expensive semantic step runs only when needed:
+`screen` looks at the text with the patterns, `judge` turns the semantic candidates
+into a decision.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .patterns import GatePatterns, Match
+
+Tier = Literal["auto", "confirm"]
+
+
+class Thresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Scores are cosine similarities of one model; every model needs its own numbers."""
+
+    high: float = 0.50  # semantic threshold after a high-confidence pattern
+    fallback: float = 0.68  # semantic threshold with no pattern
+    auto: float = 0.70  # a fired match at or above: inject without asking
+    confirm: float = 0.55  # a fired match at or above (below auto): ask first
+
+    def __post_init__(self) -> None:
+        for name in ("high", "fallback", "auto", "confirm"):
+            v = getattr(self, name)
+            if not -1.0 <= v <= 1.0:
+                raise ValueError(f"gate threshold {name}={v} is not a cosine in [-1, 1]")
+        if self.confirm > self.auto:
+            raise ValueError(f"gate threshold confirm={self.confirm} is above auto={self.auto}")
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    tool: str
+    score: float
+    case: str  # the indexed text that matched best
+
+
+class Trigger(msgspec.Struct, frozen=True):
+    """Where in the judged text the decision came from."""
+
+    text: str
+    start: int
+    end: int
+
+
+class Timing(msgspec.Struct):
+    regex: float = 0.0
+    embed: float = 0.0
+    cosine: float = 0.0
+    total: float = 0.0
+
+
+class Screen(msgspec.Struct, frozen=True):
+    """What the patterns said: blocked, high confidence, or nothing (fallback)."""
+
+    path: str  # "negative:ID" | "high:ID" | "fallback"
+    match: Match | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.path.startswith("negative:")
+
+
+class Decision(msgspec.Struct, omit_defaults=False):
+    fired: bool  # passed its path's threshold and reached a tier: inject
+    tier: Tier | None
+    path: str
+    tool: str | None
+    score: float | None
+    case: str | None
+    threshold: float | None  # the threshold this path had to clear
+    candidates: list[Candidate]
+    timing_ms: Timing
+    source: str = "user"
+    trigger: Trigger | None = None
+    truncated: bool = False  # the text was longer than the model takes and was cut (explicitly)
+
+
+def screen(text: str, source: str, patterns: GatePatterns) -> Screen:
+    neg = patterns.negative.first(text, source)
+    if neg:
+        return Screen(f"negative:{neg.id}", neg)
+    high = patterns.high.first(text, source)
+    if high:
+        return Screen(f"high:{high.id}", high)
+    return Screen("fallback")
+
+
+def tier_of(score: float, t: Thresholds) -> Tier | None:
+    if score >= t.auto:
+        return "auto"
+    if score >= t.confirm:
+        return "confirm"
+    return None
+
+
+def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: Thresholds, timing: Timing) -> Decision:
+    """Decide from the screen and the ranked candidates (best first)."""
+    trigger = Trigger(scr.match.text, scr.match.start, scr.match.end) if scr.match else None
+    if scr.blocked:
+        return Decision(False, None, scr.path, None, None, None, None, candidates, timing, source, trigger)
+    threshold = t.high if scr.path.startswith("high:") else t.fallback
+    if not candidates:
+        return Decision(False, None, scr.path, None, None, None, threshold, candidates, timing, source, trigger)
+    best = candidates[0]
+    tier = tier_of(best.score, t) if best.score >= threshold else None
+    if trigger is None:
+        trigger = Trigger(text, 0, len(text))
+    return Decision(tier is not None, tier, scr.path, best.tool, best.score, best.case, threshold, candidates, timing, source, trigger)

@@ -1,0 +1,147 @@
+"""The one flow: text -> patterns -> embedding -> cosine top-k -> gate decision.
+
+The CLI, the server and replay all call `Pipeline.detect_batch`; batching lets the
+server embed the spans of many streams in one llama.cpp call.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from . import calibration as calib
+from . import catalog as catalog_mod
+from . import models
+from . import patterns as patterns_mod
+from .cases import Strategy
+from .catalog import Catalog
+from .config import Config
+from .embed import Embedder
+from .gate import Decision, Thresholds, Timing, judge, screen
+from .index import ToolIndex
+from .patterns import GatePatterns
+from .store import Store, default_path
+
+SOURCES = ("user", "llm")
+
+
+class Request(msgspec.Struct, frozen=True):
+    text: str
+    source: str = "user"
+
+
+class Pipeline:
+    def __init__(
+        self,
+        embedder: Embedder,
+        catalog: Catalog,
+        patterns: GatePatterns,
+        thresholds: Thresholds,
+        strategies: dict[str, Strategy],
+        store: Store | None = None,
+        top_k: int = 5,
+        thresholds_origin: str = "builtin",
+    ):
+        self.embedder = embedder
+        self.patterns = patterns
+        self.thresholds = thresholds
+        self.thresholds_origin = thresholds_origin
+        self.strategies = strategies
+        self.store = store
+        self.top_k = top_k
+        self.catalog = catalog
+        self.indexes: dict[str, ToolIndex] = {}
+        self.reindex(catalog)
+
+    def reindex(self, catalog: Catalog) -> dict[str, ToolIndex]:
+        """(Re)build one index per distinct strategy, embedding only what changed."""
+        built: dict[str, ToolIndex] = {}
+        for strategy in dict.fromkeys(self.strategies.values()):
+            key = str(strategy)
+            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key))
+        self.indexes, self.catalog = built, catalog
+        return built
+
+    def index_for(self, source: str) -> ToolIndex:
+        return self.indexes[str(self.strategies[source])]
+
+    def detect(self, text: str, source: str = "user") -> Decision:
+        return self.detect_batch([Request(text, source)])[0]
+
+    def detect_batch(self, requests: Sequence[Request]) -> list[Decision]:
+        t0 = time.perf_counter()
+        screens = []
+        for r in requests:
+            if r.source not in SOURCES:
+                raise ValueError(f"source must be one of {SOURCES}, not {r.source!r}")
+            screens.append(screen(r.text, r.source, self.patterns))
+        t_regex = time.perf_counter()
+        todo = [i for i, s in enumerate(screens) if not s.blocked]
+        embedded = self.embedder.embed([requests[i].text for i in todo], "query")
+        t_embed = time.perf_counter()
+        candidates: dict[int, list] = {}
+        for source in SOURCES:
+            rows = [j for j, i in enumerate(todo) if requests[i].source == source]
+            if rows:
+                found = self.index_for(source).search(embedded.vectors[rows], self.top_k)
+                candidates.update({todo[j]: c for j, c in zip(rows, found)})
+        t_cos = time.perf_counter()
+        n = len(requests)
+        share = Timing(
+            regex=(t_regex - t0) * 1000 / n,
+            embed=(t_embed - t_regex) * 1000 / max(len(todo), 1) if todo else 0.0,
+            cosine=(t_cos - t_embed) * 1000 / max(len(todo), 1) if todo else 0.0,
+        )
+        out = []
+        truncated = dict(zip(todo, embedded.truncated))
+        for i, (r, s) in enumerate(zip(requests, screens)):
+            timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
+            timing.total = timing.regex + timing.embed + timing.cosine
+            d = judge(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing)
+            d.truncated = truncated.get(i, False)
+            out.append(d)
+        return out
+
+
+def open_embedder(cfg: Config, store: Store | None, progress: bool = True) -> Embedder:
+    """Resolve (and provision, if allowed) the configured model and load it."""
+    dest = pathlib.Path(cfg.model.dir) if cfg.model.dir else None
+    resolved = models.resolve(cfg.model.name, dest=dest, auto_pull=cfg.model.pull, progress=progress)
+    spec = resolved.spec
+    if spec is not None and spec.sha256:
+        identity = spec.sha256
+    elif store is not None:
+        identity = store.file_sha256(resolved.path)
+    else:
+        identity = models.file_sha256(resolved.path)
+    prefixes = spec.task_prefixes if spec else None
+    use = cfg.model.task_prefixes
+    if use == "off" or (use == "auto" and not calib.PREFIXES_ON.get(resolved.name, True)):
+        prefixes = None
+    return Embedder(
+        resolved.path,
+        name=resolved.name,
+        identity=identity,
+        threads=cfg.model.threads,
+        prefixes=prefixes,
+        max_tokens=spec.n_ctx if spec else None,
+    )
+
+
+def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None) -> Pipeline:
+    """Everything the config names, loaded and validated, as a ready pipeline."""
+    calibration = calib.read(cfg.calibration) if cfg.calibration else None
+    pats = patterns_mod.load_dir(cfg.gate.patterns or patterns_mod.PATTERNS_DIR, cfg.gate.regex_timeout_ms / 1000)
+    cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
+    if store is None:
+        store = Store(cfg.store or default_path())
+    embedder = open_embedder(cfg, store, progress)
+    thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, calibration)
+    strategies = {
+        "user": Strategy.parse((calibration and calibration.user_strategy) or cfg.index.user_strategy),
+        "llm": Strategy.parse((calibration and calibration.llm_strategy) or cfg.index.llm_strategy),
+    }
+    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin)

@@ -1,0 +1,106 @@
+"""The SQLite store: embedding cache and file digests (metrics and feedback join later).
+
+One file, WAL mode, one connection guarded by a lock: the sidecar's writes are small and
+few, and WAL lets other processes (the CLI reading metrics) read while it writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import sqlite3
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS embedding_cache (
+    model    TEXT NOT NULL,   -- content hash of the model weights
+    text_sha TEXT NOT NULL,   -- sha256 of the exact text embedded (task prefix included)
+    dim      INTEGER NOT NULL,
+    vector   BLOB NOT NULL,   -- float32, unit length
+    PRIMARY KEY (model, text_sha)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS file_digest (
+    path     TEXT PRIMARY KEY,
+    size     INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    sha256   TEXT NOT NULL
+);
+"""
+
+
+def default_path() -> pathlib.Path:
+    """SIDECAR_STORE, else $XDG_DATA_HOME/sidecar/sidecar.db, else ~/.local/share/sidecar/sidecar.db."""
+    if env := os.environ.get("SIDECAR_STORE"):
+        return pathlib.Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(pathlib.Path.home(), ".local", "share")
+    return pathlib.Path(base) / "sidecar" / "sidecar.db"
+
+
+def text_key(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class Store:
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"cannot open store {self.path}: {e}") from None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def vectors(self, model: str, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        keys = list(keys)
+        out: dict[str, np.ndarray] = {}
+        with self._lock:
+            for i in range(0, len(keys), 500):
+                chunk = keys[i:i + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = self._db.execute(
+                    f"SELECT text_sha, dim, vector FROM embedding_cache WHERE model=? AND text_sha IN ({marks})",
+                    [model, *chunk],
+                )
+                for sha, dim, blob in rows:
+                    vec = np.frombuffer(blob, dtype=np.float32)
+                    if vec.shape[0] == dim:
+                        out[sha] = vec
+        return out
+
+    def put_vectors(self, model: str, items: dict[str, np.ndarray]) -> None:
+        rows = [(model, k, int(v.shape[0]), np.asarray(v, np.float32).tobytes()) for k, v in items.items()]
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO embedding_cache VALUES (?,?,?,?)", rows)
+
+    def file_sha256(self, path: str | pathlib.Path) -> str:
+        """A file's sha256, computed once per (path, size, mtime)."""
+        path = pathlib.Path(path).resolve()
+        st = path.stat()
+        with self._lock:
+            row = self._db.execute("SELECT size, mtime_ns, sha256 FROM file_digest WHERE path=?", (str(path),)).fetchone()
+        if row and row[0] == st.st_size and row[1] == st.st_mtime_ns:
+            return row[2]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        digest = h.hexdigest()
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO file_digest VALUES (?,?,?,?)", (str(path), st.st_size, st.st_mtime_ns, digest))
+        return digest

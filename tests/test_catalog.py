@@ -1,0 +1,74 @@
+"""Catalog loading, merging and errors, on the real catalogs in fixtures/."""
+
+import json
+
+import pytest
+
+from sidecar import catalog
+from sidecar.catalog import CatalogError
+
+from .conftest import CATALOGS
+
+
+def test_single_file_keeps_names():
+    c = catalog.load([CATALOGS / "filesystem.json"])
+    assert "write_file" in c.names()
+    assert c.get("write_file").server == "filesystem"
+
+
+def test_merged_files_are_qualified_and_unique():
+    c = catalog.load([CATALOGS / "github.json", CATALOGS / "gitlab.json"])
+    assert c.get("github__create_issue") and c.get("gitlab__create_issue")
+    assert c.get("gitlab__create_issue").bare_name == "create_issue"
+    assert len(c) == 26 + 9
+
+
+def test_all_json_is_already_qualified():
+    c = catalog.load([CATALOGS / "ALL.json"])
+    assert len(c) == 462
+    t = c.get("filesystem__write_file")
+    assert t.server == "filesystem" and t.bare_name == "write_file"
+
+
+def test_definition_is_the_mcp_shape():
+    t = catalog.load([CATALOGS / "filesystem.json"]).get("read_text_file")
+    d = t.definition()
+    assert d["name"] == "read_text_file" and d["inputSchema"]["required"] == ["path"]
+    assert "cases" not in d and "server" not in d
+
+
+def test_content_hash_tracks_what_the_index_uses():
+    t = catalog.load([CATALOGS / "filesystem.json"]).get("read_text_file")
+    import msgspec
+
+    assert msgspec.structs.replace(t, annotations={"x": 1}).content_hash == t.content_hash
+    assert msgspec.structs.replace(t, description="other").content_hash != t.content_hash
+
+
+@pytest.mark.parametrize(
+    "doc,message",
+    [
+        ({"nope": []}, 'expected an MCP tools/list result'),
+        ({"tools": [{"description": "x"}]}, "tool '#0'"),
+        ({"tools": [{"name": "a", "description": 3}]}, "tool 'a': Expected `str`, got `int` - at `description`"),
+        ({"tools": [{"name": "a", "inputSchema": []}]}, "tool 'a'"),
+        ({"tools": [{"name": "a", "cases": ["ok", " "]}]}, "tool 'a': \"cases\" holds an empty phrase"),
+        ({"tools": [{"name": "a"}, {"name": "a"}]}, "tool 'a': name is not unique"),
+    ],
+)
+def test_bad_catalogs_name_file_and_tool(tmp_path, doc, message):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(CatalogError) as e:
+        catalog.load([f])
+    assert str(e.value).startswith(str(f)) and message in str(e.value)
+
+
+def test_unreadable_and_invalid_json(tmp_path):
+    with pytest.raises(CatalogError, match="cannot read"):
+        catalog.load([tmp_path / "missing.json"])
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(CatalogError, match="not valid JSON"):
+        catalog.load([tmp_path / "x.json"])
+    with pytest.raises(CatalogError, match="no catalog given"):
+        catalog.load([])

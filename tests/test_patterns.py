@@ -1,0 +1,90 @@
+"""Pattern files: parsing, file:line errors, source scopes, and the time bound."""
+
+import time
+
+import pytest
+
+from sidecar import gate, patterns
+from sidecar.patterns import PatternError, PatternSet, parse
+
+
+def write_dir(tmp_path, lists="@verbs create read\n", negative="", high=""):
+    (tmp_path / "lists.txt").write_text(lists)
+    (tmp_path / "negative.txt").write_text(negative)
+    (tmp_path / "high.txt").write_text(high)
+    return tmp_path
+
+
+def test_shipped_patterns_load_and_have_unique_ids():
+    P = patterns.load_dir()
+    assert len(P.negative) >= 10 and len(P.high) >= 5
+    ids = [p.id for p in P.negative.patterns + P.high.patterns]
+    assert len(ids) == len(set(ids))
+
+
+def test_invalid_regex_names_file_and_line(tmp_path):
+    d = write_dir(tmp_path, negative="# comment\n\nok \\bfine\\b\nbroken \\b(unclosed\n")
+    with pytest.raises(PatternError) as e:
+        patterns.load_dir(d)
+    assert str(e.value).startswith(f"{d / 'negative.txt'}:4:")
+
+
+def test_unknown_list_and_duplicate_id_are_errors(tmp_path):
+    with pytest.raises(PatternError, match=r"high.txt:1: unknown list nouns"):
+        patterns.load_dir(write_dir(tmp_path, high="x \\L<nouns>\n"))
+    with pytest.raises(PatternError, match=r":2: duplicate id 'x' \(first at line 1\)"):
+        parse("x a\nx b\n", "f.txt")
+
+
+def test_missing_file_is_reported(tmp_path):
+    (tmp_path / "lists.txt").write_text("")
+    with pytest.raises(PatternError, match="negative.txt:0: cannot read"):
+        patterns.load_dir(tmp_path)
+
+
+def test_lists_are_shared_across_files_and_multiword_entries_match(tmp_path):
+    d = write_dir(tmp_path, lists="@verbs create look_up\n", high="verb \\bplease\\s+\\L<verbs>\\b\n")
+    P = patterns.load_dir(d)
+    assert P.high.first("please look up the time", "user").text == "please look up"
+    assert P.high.first("please Create it", "user") is not None
+    assert P.high.first("please delete it", "user") is None
+
+
+def test_source_scope(tmp_path):
+    P = patterns.load_dir(write_dir(tmp_path, high="only_llm (llm) \\bnow\\b\n"))
+    assert P.high.first("now", "llm") is not None
+    assert P.high.first("now", "user") is None
+
+
+def test_catastrophic_pattern_is_cut_off_by_the_time_budget():
+    pats, _ = parse("evil (a|aa)+$\nafter \\bz\\b\n", "f.txt")
+    ps = PatternSet(pats, timeout_s=0.01)
+    text = "a" * 40 + "b z"
+    t0 = time.perf_counter()
+    m = ps.first(text, "user")
+    elapsed = time.perf_counter() - t0
+    assert m is not None and m.id == "after"  # the evil pattern was skipped, the next one still ran
+    assert ps.timeouts == 1
+    assert elapsed < 1.0  # unbounded, (a|aa)+$ on 40 a's takes hours
+
+
+@pytest.mark.parametrize(
+    "text,source,path",
+    [
+        ("I should call create_note", "llm", "high:"),
+        ("let me search my notes for the kubernetes setup", "llm", "high:"),
+        ("please create a note about this", "user", "high:"),
+        ("the search algorithm", "user", "negative:"),
+        ("delete operations are slow", "user", "negative:"),
+        ("To create a note, you would use the API", "llm", "negative:"),
+        ("my notes on kubernetes", "user", "negative:"),
+        ("We use soft delete for users", "user", "negative:"),
+        ("CRUD is enough here", "user", "negative:"),
+        ("create table users (id int)", "user", "negative:"),
+        ("Run `pip install foo` first", "llm", "negative:"),
+        ("thanks", "user", "fallback"),
+        ("let me see", "llm", "fallback"),
+    ],
+)
+def test_screen_on_the_study_examples(text, source, path):
+    assert gate.screen(text, source, patterns.load_dir()).path.startswith(path)
