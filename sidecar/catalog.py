@@ -115,12 +115,21 @@ def parse_tools(data: Any, origin: str) -> tuple[str | None, list[Tool]]:
 
 
 def load(paths: Sequence[str | pathlib.Path]) -> Catalog:
-    """Read and merge catalog files. With several files, names become server__tool."""
+    """Read and merge catalog files (a directory stands for its *.json files). With several
+    files, names become server__tool."""
     if not paths:
         raise CatalogError("no catalog given (pass --catalog FILE)")
+    files: list[pathlib.Path] = []
+    for p in map(pathlib.Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.json"))
+            if not found:
+                raise CatalogError(f"{p}: directory holds no *.json catalog")
+            files.extend(found)
+        else:
+            files.append(p)
     per_file: list[tuple[str, str, list[Tool]]] = []
-    for p in paths:
-        path = pathlib.Path(p)
+    for path in files:
         try:
             data = orjson.loads(path.read_bytes())
         except OSError as e:

@@ -24,7 +24,7 @@ USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedE
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
-    p.add_argument("--catalog", metavar="FILE", nargs="+", action="extend", help="MCP tools/list JSON file(s); several merge as server__tool")
+    p.add_argument("--catalog", metavar="FILE", action="append", help="MCP tools/list JSON file, or a dir of them; repeat to merge several (as server__tool)")
     p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
     p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")

@@ -26,6 +26,22 @@ class Embedded(msgspec.Struct):
     truncated: list[bool]
 
 
+def trained_context(path: str) -> int:
+    """The context length the model was trained with, read from the GGUF header (memory-mapped,
+    so no weights are loaded)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        arch = reader.get_field("general.architecture")
+        field = reader.get_field(f"{arch.contents()}.context_length") if arch else None
+    except Exception as e:  # a truncated or foreign file: gguf raises ValueError and friends
+        raise EmbedError(f"cannot load model {path}: not a readable GGUF file ({e})") from None
+    if field is None:
+        raise EmbedError(f"cannot load model {path}: the GGUF header has no context length")
+    return int(field.contents())
+
+
 class Embedder:
     """One loaded model. llama.cpp contexts are not thread-safe, so calls take a lock."""
 
@@ -44,12 +60,7 @@ class Embedder:
         if not os.path.isfile(path):
             raise EmbedError(f"model file not found: {path}")
         threads = threads or max(1, os.cpu_count() or 1)
-        try:
-            probe = Llama(model_path=path, embedding=True, n_ctx=0, vocab_only=True, verbose=False)
-            trained = int(probe.n_ctx_train())
-            del probe
-        except Exception as e:  # llama.cpp reports load failures as ValueError/RuntimeError
-            raise EmbedError(f"cannot load model {path}: {e}") from None
+        trained = trained_context(path)
         n_ctx = min(trained, max_tokens or trained, 8192)
         try:
             # Non-causal embedding models need a whole sequence in one micro-batch, and
