@@ -27,14 +27,43 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
     llm_strategy: str | None = None
 
 
-# Defaults per known model. nomic's are the design's numbers; MiniLM's were measured on
-# fixtures/labeled/dev.jsonl (see README, "Thresholds").
-BUILTIN: dict[str, Thresholds] = {
-    "nomic-embed-text-v1.5": Thresholds(high=0.50, fallback=0.68, auto=0.70, confirm=0.55),
-    "all-minilm-l6-v2": Thresholds(high=0.35, fallback=0.55, auto=0.60, confirm=0.40),
+# What a model gets when nothing else is said: measured per known model (see README,
+# "Choosing thresholds"). A calibration file replaces its model's entry; explicit
+# configuration overrides single values of either.
+BUILTIN: dict[str, Calibration] = {
+    "nomic-embed-text-v1.5": Calibration(
+        "nomic-embed-text-v1.5",
+        Thresholds(high=0.50, fallback=0.68, auto=0.70, confirm=0.55),
+        task_prefixes=False,
+        user_strategy="prefix+mcp",
+        llm_strategy="mcp+llm",
+    ),
+    "all-minilm-l6-v2": Calibration(
+        "all-minilm-l6-v2",
+        Thresholds(high=0.35, fallback=0.55, auto=0.60, confirm=0.40),
+        task_prefixes=False,
+        user_strategy="prefix+mcp",
+        llm_strategy="mcp+llm",
+    ),
 }
-# Whether a model's task prefixes (e.g. nomic's "search_query: ") are used by default.
-PREFIXES_ON: dict[str, bool] = {"nomic-embed-text-v1.5": False}
+# Strategies for a model nobody measured: the design's defaults.
+DEFAULT_USER_STRATEGY = "prefix+mcp"
+DEFAULT_LLM_STRATEGY = "mcp+llm"
+
+
+def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration | None, str]:
+    """The calibration that applies to `model` and where it came from. A file fitted on
+    another model is refused: its numbers are on another model's scale."""
+    if calibration is not None:
+        if calibration.model != model:
+            raise CalibrationError(
+                f"calibration was fitted on {calibration.model!r}, not on the model in use {model!r}: "
+                "run `sidecar tune` for this model"
+            )
+        return calibration, "calibration"
+    if model in BUILTIN:
+        return BUILTIN[model], "builtin"
+    return None, "uncalibrated"
 
 
 def read(path: str | pathlib.Path) -> Calibration:
@@ -47,17 +76,10 @@ def read(path: str | pathlib.Path) -> Calibration:
 
 
 def thresholds_for(model: str, gate: GateConfig, calibration: Calibration | None) -> tuple[Thresholds, str]:
-    """The thresholds in force and where they came from ("builtin", "calibration", "uncalibrated")."""
-    base = BUILTIN.get(model)
-    origin = "builtin" if base else "uncalibrated"
-    if calibration is not None:
-        if calibration.model != model:
-            raise CalibrationError(
-                f"calibration was fitted on {calibration.model!r}, not on the model in use {model!r}: "
-                "run `sidecar tune` for this model"
-            )
-        base, origin = calibration.thresholds, "calibration"
-    base = base or BUILTIN["nomic-embed-text-v1.5"]
+    """The thresholds in force and where they came from ("builtin", "calibration",
+    "uncalibrated", each "+config" when configuration overrides some)."""
+    cal, origin = in_force(model, calibration)
+    base = cal.thresholds if cal else Thresholds()
     explicit = {k: getattr(gate, k) for k in ("high", "fallback", "auto", "confirm") if getattr(gate, k) is not None}
     if explicit:
         origin += "+config"

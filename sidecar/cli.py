@@ -22,24 +22,28 @@ from .store import StoreError
 USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedError, StoreError, models.ProvisioningError, ValueError, OSError)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, several_models: bool = False) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
     p.add_argument("--catalog", metavar="FILE", action="append", help="MCP tools/list JSON file, or a dir of them; repeat to merge several (as server__tool)")
-    p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
+    if several_models:
+        p.add_argument("--model", metavar="NAME|PATH", action="append", help="embedding model(s) to compare; repeat (default: the configured one)")
+    else:
+        p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
     p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
 
 
-def _config(args: argparse.Namespace) -> config_mod.Config:
+def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | None = None) -> config_mod.Config:
     return config_mod.load(
         args.config,
         overrides={
             ("catalogs",): args.catalog,
-            ("model", "name"): args.model,
+            ("model", "name"): args.model if not isinstance(args.model, list) else None,
             ("calibration",): args.calibration,
             ("store",): args.store,
             ("gate", "patterns"): args.patterns,
+            **(extra or {}),
         },
     )
 
@@ -77,6 +81,80 @@ def describe(d: Decision) -> str:
         head = "silent: the catalog is empty"
     others = ", ".join(f"{c.tool} {c.score:.3f}" for c in d.candidates[1:4])
     return head + (f"\n  next: {others}" if others else "") + (" [text truncated to the model's limit]" if d.truncated else "") + f"\n  {timing}"
+
+
+def _progress_bar(total: int, desc: str, enabled: bool = True):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, disable=not enabled, leave=False)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from . import evaluate, pipeline
+
+    cfg = _config(args)
+    pipe = pipeline.from_config(cfg, progress=True)
+    items = evaluate.read_labeled(args.labeled, pipe.catalog)
+    report = evaluate.evaluate(pipe, items, baseline=args.baseline, bar=_progress_bar(2 * len(items), "evaluating"))
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
+    else:
+        print(evaluate.describe(report))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from . import catalog as catalog_mod
+    from . import store as store_mod
+    from . import tune
+    from .evaluate import read_labeled
+
+    cfg = _config(args)
+    cat = catalog_mod.load(cfg.catalogs)
+    items = read_labeled(args.labeled, cat)
+    objective = tune.Objective.parse(args.objective)
+    strategies = [s for spec in args.strategies for s in spec.split(",") if s] if args.strategies else tune.DEFAULT_STRATEGIES
+    modes = {"auto": ["auto"], "on": ["on"], "off": ["off"], "both": ["off", "on"]}[args.task_prefixes]
+    store = store_mod.Store(cfg.store or store_mod.default_path())
+    study = tune.study(items, cat, args.model or [cfg.model.name], cfg, strategies, modes, objective,
+                       args.heldout_fraction, args.seed, store, progress=lambda m: print(f"sidecar: {m}", file=sys.stderr))  # fmt: skip
+    if args.out:
+        tune.write_calibration(study.chosen, args.out)
+    if args.plot:
+        from . import plot
+
+        plot.gate_plot(study, args.plot)
+    if args.json:
+        out = {"matrix": study.matrix, "chosen": study.chosen, "heldout": study.heldout, "candidates": study.candidates}
+        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+    else:
+        print(tune.describe(study))
+        if args.out:
+            print(f"calibration written to {args.out}")
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from . import catalog as catalog_mod
+    from . import server
+    from .store import Store, default_path
+
+    cfg = _config(args, {("server", "host"): args.host, ("server", "port"): args.port})
+    cat = catalog_mod.load(cfg.catalogs) if cfg.catalogs else catalog_mod.Catalog([])  # fail before binding
+    store = Store(cfg.store or default_path())
+    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
+
+    def announce(msg: str) -> None:
+        print(f"sidecar: {msg}", file=sys.stderr, flush=True)
+
+    if not cfg.catalogs:
+        announce("no catalog given: sessions bring their tools in hello.tools")
+    return asyncio.run(server.run(cfg, cat, store, announce))
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
@@ -118,6 +196,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the decision as JSON")
     p.add_argument("text", nargs="*", help="the text (default: stdin)")
     p.set_defaults(func=cmd_detect)
+
+    p = sub.add_parser("eval", help="measure the gate and the ranking on a labelled JSONL set")
+    _common(p)
+    p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
+    p.add_argument("--baseline", choices=("tfidf", "bm25"), help="also rank with a lexical tool search over name + description")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("tune", help="compare models and index strategies, fit the gate's thresholds")
+    _common(p, several_models=True)
+    p.add_argument("--labeled", metavar="FILE", required=True)
+    p.add_argument("--strategies", metavar="S,S", action="append", help="index strategies to compare, comma-separated (default: base,prefix,mcp,prefix+mcp,mcp+llm,prefix+llm,action)")
+    p.add_argument("--task-prefixes", choices=("auto", "on", "off", "both"), default="auto", help="the model's task prefixes (both: measure each)")
+    p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced")
+    p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="FILE", help="write the chosen calibration (JSON) for --calibration")
+    p.add_argument("--plot", metavar="FILE.png", help="score distributions and the TP/FP sweep")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("serve", help="serve the streaming websocket protocol (docs/protocol.md)")
+    _common(p)
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; env SIDECAR_HOST)")
+    p.add_argument("--port", type=int, help="port (default 8765, 0 for any free one; env SIDECAR_PORT)")
+    p.set_defaults(func=cmd_serve)
 
     model = sub.add_parser("model", help="provision embedding models").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("pull", help="fetch and verify a known model into the model dir")

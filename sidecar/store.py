@@ -6,12 +6,15 @@ few, and WAL lets other processes (the CLI reading metrics) read while it writes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
 import sqlite3
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +31,13 @@ CREATE TABLE IF NOT EXISTS file_digest (
     size     INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
     sha256   TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id       INTEGER PRIMARY KEY,
+    time     REAL NOT NULL,   -- unix seconds when received
+    kind     TEXT NOT NULL,   -- "tool_result" | "feedback" (the protocol message type)
+    session  TEXT,            -- the hello's session id
+    payload  TEXT NOT NULL    -- the message as received (JSON)
 );
 """
 
@@ -65,6 +75,28 @@ class Store:
         with self._lock:
             self._db.close()
 
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the store's lock: committed when the block ends (so a
+        caller may acknowledge what it wrote), rolled back if it raises."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    def ensure_schema(self, ddl: str) -> None:
+        """Let a module that keeps its own tables here create them (idempotent DDL)."""
+        with self._lock:
+            self._db.executescript(ddl)
+
     def vectors(self, model: str, keys: Iterable[str]) -> dict[str, np.ndarray]:
         keys = list(keys)
         out: dict[str, np.ndarray] = {}
@@ -87,6 +119,31 @@ class Store:
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO embedding_cache VALUES (?,?,?,?)", rows)
+
+    def record_event(self, kind: str, payload: str, session: str | None = None, at: float | None = None) -> int:
+        """Append one event and return its id once committed and synced to disk (synchronous=FULL
+        for this commit), so a caller may acknowledge it as durable."""
+        with self._lock:
+            self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    cur = self._db.execute(
+                        "INSERT INTO events (time, kind, session, payload) VALUES (?,?,?,?)",
+                        (time.time() if at is None else at, kind, session, payload),
+                    )
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+                return int(cur.lastrowid)
+            finally:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the main file (on shutdown: leave one self-contained file)."""
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def file_sha256(self, path: str | pathlib.Path) -> str:
         """A file's sha256, computed once per (path, size, mtime)."""

@@ -1,0 +1,268 @@
+"""Measuring the pipeline on a labelled set: how well the gate separates, how well tools rank.
+
+Everything here is pure arithmetic over decisions the one pipeline produced, so `eval`,
+`tune` and the tests all judge the same outputs the server would send.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from .catalog import Catalog
+from .gate import Decision
+
+
+class LabeledError(ValueError):
+    """A labelled file is unusable; the message names file:line."""
+
+
+class Labeled(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    text: str
+    expect: str | list[str] | None = None  # null: no tool should fire
+    source: Literal["user", "llm"] = "user"
+
+    @property
+    def expected(self) -> frozenset[str]:
+        if self.expect is None:
+            return frozenset()
+        return frozenset([self.expect] if isinstance(self.expect, str) else self.expect)
+
+    @property
+    def positive(self) -> bool:
+        return self.expect is not None
+
+
+_decoder = msgspec.json.Decoder(Labeled)
+
+
+def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> list[Labeled]:
+    """Read a JSONL labelled set; with a catalog, every expected tool must be in it."""
+    path = pathlib.Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise LabeledError(f"{path}: cannot read ({e.strerror})") from None
+    items = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = _decoder.decode(line)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise LabeledError(f"{path}:{no}: {e}") from None
+        if not item.text.strip():
+            raise LabeledError(f"{path}:{no}: empty text")
+        if isinstance(item.expect, list) and not item.expect:
+            raise LabeledError(f"{path}:{no}: expect is an empty list (use null for 'no tool')")
+        if catalog is not None:
+            unknown = sorted(t for t in item.expected if catalog.get(t) is None)
+            if unknown:
+                raise LabeledError(f"{path}:{no}: expected tool(s) not in the catalog: {', '.join(unknown)}")
+        items.append(item)
+    if not items:
+        raise LabeledError(f"{path}: no labelled items")
+    return items
+
+
+# --- the gate ---------------------------------------------------------------------------------
+
+
+class GateReport(msgspec.Struct):
+    tp_rate: float  # positives on which the gate fired
+    fp_rate: float  # negatives on which it fired
+    accuracy: float
+    balanced_accuracy: float
+    auroc: float  # of the gate score (blocked = -1): how well it separates at any threshold
+    correct_rate: float  # positives on which it fired with an expected tool on top
+    positives: int
+    negatives: int
+
+
+def gate_score(d: Decision) -> float:
+    """One number per decision for threshold-free measures: a blocked text scores -1."""
+    if d.path.startswith("negative:") or d.score is None:
+        return -1.0
+    return d.score
+
+
+def auroc(pos: Sequence[float], neg: Sequence[float]) -> float:
+    """P(a random positive outscores a random negative), ties counting half."""
+    if not len(pos) or not len(neg):
+        return math.nan
+    scores = np.concatenate([np.asarray(pos, float), np.asarray(neg, float)])
+    order = scores.argsort(kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    # average ranks over ties
+    i = 0
+    while i < len(scores):
+        j = i
+        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    r_pos = ranks[: len(pos)].sum()
+    return float((r_pos - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def _rate(n: int, d: int) -> float:
+    return n / d if d else math.nan
+
+
+def gate_report(items: Sequence[Labeled], decisions: Sequence[Decision]) -> GateReport:
+    pos = [(i, d) for i, d in zip(items, decisions) if i.positive]
+    neg = [d for i, d in zip(items, decisions) if not i.positive]
+    tp = sum(d.fired for _, d in pos)
+    fp = sum(d.fired for d in neg)
+    correct = sum(d.fired and d.tool in i.expected for i, d in pos)
+    tpr, fpr = _rate(tp, len(pos)), _rate(fp, len(neg))
+    return GateReport(
+        tp_rate=tpr,
+        fp_rate=fpr,
+        accuracy=_rate(tp + len(neg) - fp, len(items)),
+        balanced_accuracy=(tpr + (1 - fpr)) / 2,
+        auroc=auroc([gate_score(d) for _, d in pos], [gate_score(d) for d in neg]),
+        correct_rate=_rate(correct, len(pos)),
+        positives=len(pos),
+        negatives=len(neg),
+    )
+
+
+# --- ranking ----------------------------------------------------------------------------------
+
+
+class RankingReport(msgspec.Struct):
+    top1: float
+    top3: float
+    mrr: float
+    ndcg_at_10: float = msgspec.field(name="ndcg@10")
+    coverage: float  # expected tools ranked first for at least one of their items
+    n: int
+
+
+def first_hit(ranking: Sequence[str], expected: frozenset[str]) -> int | None:
+    """1-based rank of the first expected tool, or None."""
+    return next((r for r, tool in enumerate(ranking, 1) if tool in expected), None)
+
+
+def ranking_report(items: Sequence[Labeled], rankings: Sequence[Sequence[str]]) -> RankingReport:
+    """Over positives only; rankings are tool names, best first."""
+    rows = [(i, list(r)) for i, r in zip(items, rankings) if i.positive]
+    hits = [first_hit(r, i.expected) for i, r in rows]
+    ndcg = []
+    for (i, r), _ in zip(rows, hits):
+        gains = [1.0 / math.log2(k + 1) for k, tool in enumerate(r[:10], 1) if tool in i.expected]
+        ideal = sum(1.0 / math.log2(k + 1) for k in range(1, min(len(i.expected), 10) + 1))
+        ndcg.append(sum(gains) / ideal)
+    expected_tools = set().union(*(i.expected for i, _ in rows)) if rows else set()
+    top_tools = {r[0] for i, r in rows if r and r[0] in i.expected}
+    n = len(rows)
+    return RankingReport(
+        top1=_rate(sum(h == 1 for h in hits), n),
+        top3=_rate(sum(h is not None and h <= 3 for h in hits), n),
+        mrr=_rate(sum(1.0 / h for h in hits if h), n),
+        ndcg_at_10=_rate(sum(ndcg), n),
+        coverage=_rate(len(top_tools), len(expected_tools)),
+        n=n,
+    )
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
+    if not len(values):
+        return {f"p{q:g}": math.nan for q in qs}
+    arr = np.asarray(values, float)
+    return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
+
+
+def run(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> list[Decision]:
+    """The pipeline's decisions for every item, in batches (as the server embeds)."""
+    from .pipeline import Request
+
+    out: list[Decision] = []
+    for lo in range(0, len(items), batch):
+        chunk = items[lo : lo + batch]
+        out.extend(pipe.detect_batch([Request(i.text, i.source) for i in chunk]))
+        if on_batch:
+            on_batch(len(chunk))
+    return out
+
+
+class BaselineReport(msgspec.Struct):
+    kind: str
+    ranking: RankingReport
+    latency_ms: dict[str, float]
+
+
+class Report(msgspec.Struct):
+    n: int
+    model: str
+    strategy: str
+    thresholds: dict[str, float]
+    thresholds_origin: str
+    gate: GateReport
+    ranking: RankingReport
+    latency_ms: dict[str, float]
+    baseline: BaselineReport | None = None
+
+
+def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int = 10, bar=None) -> Report:
+    """Gate figures over every item; ranking figures over the positives, ranked on demand."""
+    from .lexical import LexicalIndex
+    from .pipeline import Request
+
+    tick = bar.update if bar is not None else None
+    decisions = run(pipe, items, on_batch=tick)
+    positives = [i for i in items if i.positive]
+    rankings: list[list[str]] = []
+    for lo in range(0, len(positives), 16):
+        chunk = positives[lo : lo + 16]
+        found = pipe.rank_batch([Request(i.text, i.source) for i in chunk], k)
+        rankings.extend([c.tool for c in cands] for cands in found)
+        if tick:
+            tick(len(chunk))
+    base = None
+    if baseline:
+        index = LexicalIndex(pipe.catalog, baseline)
+        times, ranked = [], []
+        for i in positives:
+            t0 = time.perf_counter()
+            ranked.append([name for name, _ in index.rank(i.text, k)])
+            times.append((time.perf_counter() - t0) * 1000)
+        base = BaselineReport(baseline, ranking_report(positives, ranked), percentiles(times))
+    if bar is not None:
+        bar.close()
+    strategy = f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}"
+    return Report(
+        n=len(items),
+        model=pipe.embedder.name + (" +task-prefixes" if pipe.embedder.prefixes else ""),
+        strategy=strategy,
+        thresholds=msgspec.to_builtins(pipe.thresholds),
+        thresholds_origin=pipe.thresholds_origin,
+        gate=gate_report(items, decisions),
+        ranking=ranking_report(positives, rankings),
+        latency_ms=percentiles([d.timing_ms.total for d in decisions]),
+        baseline=base,
+    )
+
+
+def describe(r: Report) -> str:
+    g, k = r.gate, r.ranking
+    lines = [
+        f"{r.n} items ({g.positives} need a tool, {g.negatives} do not) · {r.model} · {r.strategy}",
+        f"thresholds ({r.thresholds_origin}): " + ", ".join(f"{a}={v:.3f}" for a, v in r.thresholds.items()),
+        f"gate     TP {g.tp_rate:.1%}  FP {g.fp_rate:.1%}  accuracy {g.accuracy:.1%}  balanced {g.balanced_accuracy:.1%}  "
+        f"AUROC {g.auroc:.3f}  fired with the right tool {g.correct_rate:.1%}",
+        f"ranking  top1 {k.top1:.1%}  top3 {k.top3:.1%}  MRR {k.mrr:.3f}  nDCG@10 {k.ndcg_at_10:.3f}  coverage {k.coverage:.1%}",
+        f"latency  p50 {r.latency_ms['p50']:.1f} ms  p99 {r.latency_ms['p99']:.1f} ms",
+    ]
+    if r.baseline:
+        b = r.baseline.ranking
+        lines.append(f"{r.baseline.kind:<8} top1 {b.top1:.1%}  top3 {b.top3:.1%}  MRR {b.mrr:.3f}  nDCG@10 {b.ndcg_at_10:.3f}  coverage {b.coverage:.1%}")
+    return "\n".join(lines)

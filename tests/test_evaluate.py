@@ -1,0 +1,119 @@
+"""The arithmetic of evaluation and tuning, on hand-made scores (no model needed)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sidecar import evaluate, tune
+from sidecar.catalog import load as load_catalog
+from sidecar.evaluate import Labeled
+from sidecar.gate import Thresholds
+from tests.conftest import CATALOGS
+
+
+def test_auroc_matches_pair_counting():
+    rng = np.random.default_rng(1)
+    pos = np.round(rng.normal(0.6, 0.1, 40), 2)
+    neg = np.round(rng.normal(0.4, 0.1, 50), 2)
+    pairs = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+    assert evaluate.auroc(pos, neg) == pytest.approx(pairs)
+    assert evaluate.auroc([1, 2], [0, 0.5]) == 1.0
+    assert evaluate.auroc([0.5], [0.5]) == 0.5
+    assert math.isnan(evaluate.auroc([], [1.0]))
+
+
+def test_ranking_report_by_hand():
+    items = [Labeled("a", "x"), Labeled("b", ["y", "z"]), Labeled("c", "w"), Labeled("d", None)]
+    rankings = [["x", "q"], ["q", "z", "y"], ["q", "r", "s", "t"], ["x"]]
+    r = evaluate.ranking_report(items, rankings)
+    assert r.n == 3
+    assert r.top1 == pytest.approx(1 / 3)
+    assert r.top3 == pytest.approx(2 / 3)
+    assert r.mrr == pytest.approx((1 + 1 / 2 + 0) / 3)
+    ideal_b = 1 + 1 / math.log2(3)
+    assert r.ndcg_at_10 == pytest.approx((1 + (1 / math.log2(3) + 1 / math.log2(4)) / ideal_b + 0) / 3)
+    assert r.coverage == pytest.approx(1 / 4)  # x of {x, y, z, w}
+
+
+def test_read_labeled_reports_file_and_line(tmp_path):
+    cat = load_catalog([CATALOGS / "notes.json"])
+    good = tmp_path / "ok.jsonl"
+    good.write_text('{"text": "take a note", "expect": "create_note"}\n\n{"text": "hi", "expect": null, "source": "llm"}\n')
+    items = evaluate.read_labeled(good, cat)
+    assert [i.positive for i in items] == [True, False] and items[1].source == "llm"
+    for body, needle in [
+        ('{"text": "x", "expect": "nope"}', ":1: expected tool(s) not in the catalog: nope"),
+        ('{"text": "x"}\n{"text": 3}', ":2: Expected `str`"),
+        ('{"text": "x", "source": "bot"}', ":1:"),
+        ('{"text": "x", "expect": []}', ":1: expect is an empty list"),
+        ("not json", ":1:"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(body)
+        with pytest.raises(evaluate.LabeledError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            evaluate.read_labeled(bad, cat)
+
+
+def _scores(seed=0, n=200):
+    """Positives score higher, more so on the high-pattern path; a few blocked items."""
+    rng = np.random.default_rng(seed)
+    path, score, positive, correct = [], [], [], []
+    for i in range(n):
+        pos = i % 2 == 0
+        kind = rng.choice(["high", "fallback", "blocked"], p=[0.4, 0.55, 0.05])
+        base = (0.62 if pos else 0.42) + (0.05 if kind == "high" else 0.0)
+        path.append(str(kind))
+        score.append(float(rng.normal(base, 0.07)))
+        positive.append(pos)
+        correct.append(pos and rng.random() < 0.85)
+    return tune.GateScores(path, score, positive, correct)
+
+
+def test_fit_gate_meets_the_fp_budget_and_beats_any_single_threshold():
+    s = _scores()
+    fit = tune.fit_gate(s, tune.Objective("max_tp", 0.05))
+    assert fit.fp_rate <= 0.05
+    assert fit.thresholds.confirm == min(fit.thresholds.high, fit.thresholds.fallback)
+    assert fit.thresholds.confirm <= fit.thresholds.auto <= 1.0
+    # a single shared threshold is one point of the joint search: the fit is at least as good
+    for t in np.arange(0.3, 0.9, 0.01):
+        one = tune.rates(s, Thresholds(high=t, fallback=t, auto=1.0, confirm=t))
+        if one.fp_rate <= 0.05:
+            assert fit.tp_rate >= one.tp_rate - 1e-9
+    tighter = tune.fit_gate(s, tune.Objective("max_tp", 0.01))
+    assert tighter.fp_rate <= 0.01 and tighter.tp_rate <= fit.tp_rate
+
+
+def test_fit_gate_refuses_too_little_data():
+    s = _scores(n=10)
+    with pytest.raises(ValueError, match="at least"):
+        tune.fit_gate(s)
+
+
+def test_objective_parse():
+    assert tune.Objective.parse("max_tp") == tune.Objective("max_tp", 0.05)
+    assert tune.Objective.parse("max_tp:fp<=0.02").max_fp == 0.02
+    assert tune.Objective.parse("balanced").kind == "balanced"
+    for bad in ("max_fp", "max_tp:fp<=2", "balanced:x"):
+        with pytest.raises(ValueError, match="unknown objective"):
+            tune.Objective.parse(bad)
+
+
+def test_matrix_rows_gap_and_pareto():
+    a = tune.matrix_row("m", "a", [0.8, 0.9], [0.1, 0.2])
+    b = tune.matrix_row("m", "b", [0.5, 0.9], [0.6, 0.2])
+    assert a.gap == pytest.approx(0.6) and a.accuracy == 1.0 and a.tp_rate == 1.0 and a.fp_rate == 0.0
+    assert b.gap == pytest.approx(-0.1)
+    rows = tune.mark_pareto([b, a])
+    assert [r.strategy for r in rows] == ["a", "b"]
+    assert rows[0].pareto and not rows[1].pareto
+
+
+def test_split_is_reproducible_and_disjoint():
+    fit, held = tune.split(100, 0.3, seed=7)
+    assert len(held) == 30 and not set(fit) & set(held) and len(fit) + len(held) == 100
+    assert tune.split(100, 0.3, seed=7) == (fit, held)
+    assert tune.split(100, 0.3, seed=8) != (fit, held)

@@ -1,0 +1,175 @@
+"""The core flow on the real models: provisioned GGUF, real SQLite store, notes catalog."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+from sidecar import catalog as catalog_mod
+from sidecar import config as config_mod
+from sidecar import models, pipeline
+from sidecar.index import ToolIndex
+from sidecar.pipeline import Request
+from sidecar.store import Store
+from tests.conftest import CATALOGS, ROOT
+
+NOTES = CATALOGS / "notes.json"
+MODELS = [models.DEFAULT_MODEL, models.SMALL_MODEL]
+
+
+def _pipeline(model: str, store_path, catalogs=(NOTES,)) -> pipeline.Pipeline:
+    cfg = config_mod.load(env={}, overrides={("model", "name"): model, ("catalogs",): [str(c) for c in catalogs]})
+    return pipeline.from_config(cfg, store=Store(store_path), progress=False)
+
+
+@pytest.fixture(scope="session", params=MODELS)
+def pipe(request, tmp_path_factory) -> pipeline.Pipeline:
+    return _pipeline(request.param, tmp_path_factory.mktemp("store") / "sidecar.db")
+
+
+def test_request_for_an_action_fires_the_right_tool(pipe):
+    d = pipe.detect("let me search my notes for the kubernetes setup")
+    assert d.path == "high:let_me"
+    assert d.tool == "semantic_search"
+    assert d.fired and d.tier in ("auto", "confirm")
+    assert d.score >= d.threshold == pipe.thresholds.high
+    assert d.trigger is not None and d.trigger.text.lower().startswith("let me")
+
+
+def test_llm_narration_fires_with_the_llm_strategy(pipe):
+    d = pipe.detect("I should call create_note to save this meeting summary.", "llm")
+    assert d.fired and d.tool == "create_note"
+    assert d.source == "llm"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["the search algorithm runs in O(n log n)", "our CRUD layer wraps every table", "CREATE TABLE notes (id int)"],
+)
+def test_negative_patterns_block_before_any_embedding(pipe, text):
+    d = pipe.detect(text)
+    assert d.path.startswith("negative:")
+    assert not d.fired and d.tool is None
+    assert d.timing_ms.embed == 0.0 and d.candidates == []
+
+
+def test_small_talk_stays_silent(pipe):
+    for text in ["thanks, that was really helpful!", "what a lovely morning it is today"]:
+        d = pipe.detect(text)
+        assert not d.fired, (text, d.tool, d.score)
+        assert d.path == "fallback" and d.threshold == pipe.thresholds.fallback
+
+
+def test_batch_matches_single_calls(pipe):
+    texts = ["let me search my notes for the kubernetes setup", "please delete the note about groceries", "nice weather"]
+    batch = pipe.detect_batch([Request(t) for t in texts])
+    for t, b in zip(texts, batch):
+        s = pipe.detect(t)
+        assert (b.tool, b.fired, b.path) == (s.tool, s.fired, s.path)
+        assert b.score == pytest.approx(s.score, abs=2e-3)
+
+
+def test_overlong_text_is_cut_and_says_so(pipe):
+    long = "let me create a note about " + " ".join(f"topic{i}" for i in range(pipe.embedder.max_tokens))
+    d = pipe.detect(long)
+    assert d.truncated
+    assert not pipe.detect("let me create a note").truncated
+
+
+def test_candidates_are_ranked_and_unit_scored(pipe):
+    d = pipe.detect("open my note called groceries")
+    scores = [c.score for c in d.candidates]
+    assert scores == sorted(scores, reverse=True)
+    assert len(d.candidates) == min(pipe.top_k, len(pipe.catalog))
+    assert all(-1.0 <= s <= 1.0001 for s in scores)
+    assert len({c.tool for c in d.candidates}) == len(d.candidates)
+
+
+def test_second_build_reads_every_vector_from_the_store(tmp_path):
+    db = tmp_path / "s.db"
+    first = _pipeline(models.SMALL_MODEL, db)
+    stats = first.index_for("user").stats
+    assert stats.embedded > 0 and stats.cached == 0
+    second = _pipeline(models.SMALL_MODEL, db)
+    again = second.index_for("user").stats
+    assert again.embedded == 0 and again.cached == stats.embedded
+    v1 = first.index_for("user").matrix
+    v2 = second.index_for("user").matrix
+    assert np.array_equal(v1, v2)
+
+
+def test_reindex_embeds_only_what_changed(tmp_path):
+    pipe = _pipeline(models.SMALL_MODEL, tmp_path / "s.db")
+    tools = list(pipe.catalog)
+    tools[0] = msgspec.structs.replace(tools[0], cases=[*tools[0].cases, "jot down a quick memo"])
+    tools = tools[:-1]  # one tool removed
+    changed = catalog_mod.Catalog(tools, ["<edited>"])
+    built = pipe.reindex(changed)
+    stats = built[str(pipe.strategies["user"])].stats
+    assert (stats.updated, stats.removed, stats.unchanged) == (1, 1, len(tools) - 1)
+    assert stats.embedded == 1  # the new case; the rest come from the previous index
+    assert pipe.catalog is changed and len(pipe.index_for("user")) == len(tools)
+
+
+def test_export_and_import_give_the_same_ranking(pipe):
+    index = pipe.index_for("user")
+    restored, model = ToolIndex.loads(index.dumps(pipe.embedder.name, 0.5))
+    assert model == pipe.embedder.name
+    q = pipe.embedder.embed(["take a note about the meeting"], "query").vectors
+    a = index.search(q, 3)[0]
+    b = restored.search(q, 3)[0]
+    assert [c.tool for c in a] == [c.tool for c in b]
+    assert [c.score for c in a] == pytest.approx([c.score for c in b], abs=1e-5)
+
+
+def test_whole_catalog_of_real_servers_ranks_a_plain_request(tmp_path):
+    pipe = _pipeline(models.SMALL_MODEL, tmp_path / "s.db", [CATALOGS / "filesystem.json", CATALOGS / "git.json"])
+    d = pipe.detect("show me the git log of the last five commits")
+    assert d.candidates[0].tool == "git__git_log"
+    assert all("__" in c.tool for c in d.candidates)
+
+
+# --- the CLI, end to end ---------------------------------------------------------------------
+
+
+def _cli(*args: str, tmp_path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=env, cwd=ROOT, input=stdin, timeout=120)
+
+
+def test_cli_detect_json(tmp_path):
+    run = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", str(NOTES), "please take a note: buy milk", tmp_path=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["model"] == models.SMALL_MODEL
+    assert out["tool"] == "create_note" and out["fired"] is True
+    assert set(out["thresholds"]) == {"high", "fallback", "auto", "confirm"}
+    assert out["timing_ms"]["total"] > 0
+
+
+def test_cli_detect_reads_stdin_and_default_model(tmp_path):
+    run = _cli("detect", "--catalog", str(NOTES), tmp_path=tmp_path, stdin="let me search my notes for the kubernetes setup\n")
+    assert run.returncode == 0, run.stderr
+    assert "semantic_search" in run.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--catalog", "missing.json", "hi"], "missing.json: cannot read"),
+        (["--catalog", str(NOTES), "--model", "no-such-model", "hi"], "unknown model 'no-such-model'"),
+        (["--catalog", str(NOTES), "--model", "/nowhere/m.gguf", "hi"], "no such model file"),
+        (["--catalog", str(NOTES), "--patterns", str(ROOT / "tests"), "hi"], "lists.txt"),
+    ],
+)
+def test_cli_user_errors_are_one_line(tmp_path, args, needle):
+    run = _cli("detect", *args, tmp_path=tmp_path)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sidecar: error:") and needle in lines[0], run.stderr

@@ -1,0 +1,126 @@
+"""`sidecar eval` and `sidecar tune` end to end: real model, real store, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sidecar import calibration, models
+from tests.conftest import CATALOGS, ROOT
+
+NOTES = str(CATALOGS / "notes.json")
+
+POSITIVES = [
+    ("take a note about the meeting with Dana", "create_note", "user"),
+    ("save this for later: the wifi password is hunter2", "create_note", "user"),
+    ("jot down that the release moved to Friday", "create_note", "user"),
+    ("open my note about groceries", "read_note", "user"),
+    ("show me what my kubernetes note says", "read_note", "user"),
+    ("what did I write about the offsite?", "semantic_search", "user"),
+    ("find notes mentioning postgres upgrades", "semantic_search", "user"),
+    ("search my notes for anything about taxes", "semantic_search", "user"),
+    ("delete the note about the old project", "delete_note", "user"),
+    ("get rid of my groceries note", "delete_note", "user"),
+    ("add a line to the standup note saying I'm out Monday", "update_note", "user"),
+    ("fix the typo in my todo note", "update_note", "user"),
+    ("list all my notes", "list_notes", "user"),
+    ("which notes do I have?", "list_notes", "user"),
+    ("Let me create a note with this summary.", "create_note", "llm"),
+    ("I'll search your notes for the deployment steps.", "semantic_search", "llm"),
+    ("First I'll open the note called roadmap.", "read_note", "llm"),
+    ("I'm going to append these action items to your standup note.", "update_note", "llm"),
+]
+NEGATIVES = [
+    ("thanks a lot, that's perfect", "user"),
+    ("the search algorithm is O(log n)", "user"),
+    ("what is the capital of France?", "user"),
+    ("explain recursion like I'm five", "user"),
+    ("CRUD apps are boring", "user"),
+    ("you would use a database for that", "llm"),
+    ("I love this song", "user"),
+    ("how does garbage collection work in Go?", "user"),
+    ("nice, that works", "user"),
+    ("the note she sang was off-key", "user"),
+    ("write amplification hurts LSM trees", "user"),
+    ("tell me a joke", "user"),
+    ("Here's a summary of the changes:", "llm"),
+    ("In short, the bug was an off-by-one.", "llm"),
+    ("good morning!", "user"),
+    ("Hope that helps.", "llm"),
+    ("I think the second option is cleaner.", "llm"),
+    ("why is the sky blue", "user"),
+]
+
+
+@pytest.fixture(scope="module")
+def labeled(tmp_path_factory):
+    path = tmp_path_factory.mktemp("labeled") / "set.jsonl"
+    lines = [{"text": t, "expect": e, "source": s} for t, e, s in POSITIVES]
+    lines += [{"text": t, "expect": None, "source": s} for t, s in NEGATIVES]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _cli(*args, tmp_path):
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    return subprocess.run([sys.executable, "-m", "sidecar", *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_eval_json_has_every_figure(labeled, tmp_path):
+    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--baseline", "bm25", tmp_path=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["n"] == len(POSITIVES) + len(NEGATIVES)
+    assert out["model"] == models.SMALL_MODEL
+    assert set(out["gate"]) >= {"tp_rate", "fp_rate", "accuracy", "balanced_accuracy", "auroc"}
+    assert set(out["ranking"]) >= {"top1", "top3", "mrr", "ndcg@10", "coverage"}
+    assert set(out["latency_ms"]) == {"p50", "p99"}
+    assert out["gate"]["auroc"] > 0.8  # a real model separates these clearly
+    assert out["ranking"]["top3"] >= out["ranking"]["top1"] > 0.5
+    assert out["baseline"]["kind"] == "bm25" and 0 <= out["baseline"]["ranking"]["top1"] <= 1
+
+
+def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
+    cal, png = tmp_path / "cal.json", tmp_path / "gate.png"
+    run = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled,
+               "--strategies", "base,mcp,prefix+mcp,mcp+llm", "--out", cal, "--plot", png, tmp_path=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    rows = out["matrix"]
+    assert {r["strategy"] for r in rows} >= {"base", "mcp", "prefix+mcp", "mcp+llm"}
+    assert any(r["strategy"].startswith("tiered gate") for r in rows)
+    gaps = [r["gap"] for r in rows]
+    assert gaps == sorted(gaps, reverse=True)
+    assert any(r["pareto"] for r in rows)
+    assert out["chosen"]["fit"]["fp_rate"] <= 0.05
+    assert set(out["heldout"]) >= {"tp_rate", "fp_rate", "accuracy"}
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    fitted = calibration.read(cal)
+    assert fitted.model == models.SMALL_MODEL
+    assert fitted.thresholds.high == pytest.approx(out["chosen"]["thresholds"]["high"])
+    det = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--calibration", cal, "hello there", tmp_path=tmp_path)
+    assert det.returncode == 0, det.stderr
+    d = json.loads(det.stdout)
+    assert d["thresholds_origin"] == "calibration"
+    assert d["thresholds"]["fallback"] == pytest.approx(fitted.thresholds.fallback)
+
+
+def test_calibration_for_another_model_is_refused(labeled, tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"model": models.DEFAULT_MODEL, "thresholds": {"high": 0.5, "fallback": 0.7, "auto": 0.8, "confirm": 0.5}}))
+    run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--calibration", cal, tmp_path=tmp_path)
+    assert run.returncode == 2
+    assert "fitted on 'nomic-embed-text-v1.5'" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_eval_names_the_bad_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "take a note", "expect": "create_note"}\n{"text": "x", "expect": "no_such_tool"}\n')
+    run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", bad, tmp_path=tmp_path)
+    assert run.returncode == 2
+    assert f"{bad}:2: expected tool(s) not in the catalog: no_such_tool" in run.stderr
