@@ -1,0 +1,215 @@
+"""The wire protocol: JSON text frames, one message each, tagged by "type".
+
+Typed with msgspec and kept apart from any I/O (as the `websockets` library keeps its
+protocol apart from its event loop), so the server, the client and the tests share one
+definition, and a bad frame becomes an `Error` that names the problem instead of an
+exception deep inside the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+VERSION = 1  # protocol version: sent in `ready`, checked against `hello.version`
+
+Ref = str | int  # a client's correlation id, echoed in `ack` and `error`
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid client message; `code` is what `error.code` carries."""
+
+    def __init__(self, code: str, message: str, ref: Ref | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.ref = ref
+
+
+# Client -> sidecar ------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_defaults=True):
+    """Opens a session. `tools` narrows or extends the server's catalog for this session:
+    a string keeps that server tool, an object is an extra MCP tool definition."""
+
+    session: str
+    agent: str | None = None
+    role: str | None = None
+    permissions: list[str] | None = None
+    project: str | None = None
+    tools: list[str | dict[str, Any]] | None = None
+    version: int | None = None  # the client's protocol version
+    decisions: bool = False  # opt in to a `decision` message for every judged span (debugging, benchmarks)
+
+
+class User(msgspec.Struct, tag="user", tag_field="type"):
+    """A whole user turn, judged whole with the user strategy."""
+
+    stream: str
+    text: str
+
+
+class Token(msgspec.Struct, tag="token", tag_field="type"):
+    """An increment of LLM output, any size down to one character."""
+
+    stream: str
+    delta: str
+
+
+class End(msgspec.Struct, tag="end", tag_field="type"):
+    stream: str
+
+
+class ToolResult(msgspec.Struct, tag="tool_result", tag_field="type", kw_only=True, omit_defaults=True):
+    tool: str
+    ok: bool
+    latency_ms: float
+    error: str | None = None
+    ref: Ref | None = None
+
+
+class Feedback(msgspec.Struct, tag="feedback", tag_field="type", kw_only=True, omit_defaults=True):
+    tool: str
+    rating: float | None = None
+    selected: bool | None = None
+    query: str | None = None
+    ref: Ref | None = None
+
+
+class Ping(msgspec.Struct, tag="ping", tag_field="type"):
+    pass
+
+
+ClientMessage = Hello | User | Token | End | ToolResult | Feedback | Ping
+CLIENT_TYPES = {"hello": Hello, "user": User, "token": Token, "end": End, "tool_result": ToolResult, "feedback": Feedback, "ping": Ping}
+
+# Sidecar -> client ------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
+    version: int  # protocol version
+    model: str
+    tools: list[str]  # the session's catalog, by name
+    sidecar: str = ""  # the sidecar's package version
+
+
+class InjectedTool(msgspec.Struct):
+    definition: dict[str, Any]  # the full MCP tool definition, as tools/list gives it
+    score: float
+    why: str
+
+
+class TriggerInfo(msgspec.Struct):
+    """Where in the stream the decision came from; offsets count Unicode code points from
+    the stream's first character."""
+
+    text: str
+    start: int
+    end: int
+    path: str  # "high:ID" or "fallback"
+
+
+class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True):
+    stream: str
+    tier: Literal["auto", "confirm"]
+    tools: list[InjectedTool]
+    trigger: TriggerInfo
+    latency_ms: float  # from the frame that completed the span to this message
+
+
+class DecisionReport(msgspec.Struct, tag="decision", tag_field="type", kw_only=True):
+    """Sent only to sessions that said `hello.decisions`: the gate's verdict on one judged
+    span, fired or silent, so a client can see (and time) what did not inject."""
+
+    stream: str
+    source: Literal["user", "llm"]
+    text: str  # the judged span
+    start: int
+    end: int
+    reason: str  # why the span was cut: user, boundary, words, limit, end
+    fired: bool
+    tier: Literal["auto", "confirm"] | None
+    path: str
+    tool: str | None  # the best candidate, fired or not
+    score: float | None
+    latency_ms: float  # from the frame that completed the span to this message
+
+
+class Ack(msgspec.Struct, tag="ack", tag_field="type"):
+    """A tool_result or feedback is committed to the store."""
+
+    ref: Ref | None
+    id: int  # the stored event's id
+
+
+class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
+    code: str
+    message: str
+    ref: Ref | None = None
+
+
+class Pong(msgspec.Struct, tag="pong", tag_field="type"):
+    pass
+
+
+ServerMessage = Ready | Inject | DecisionReport | Ack | Error | Pong
+
+# Codec --------------------------------------------------------------------------------
+
+_client = msgspec.json.Decoder(ClientMessage)
+_server = msgspec.json.Decoder(ServerMessage)
+_encoder = msgspec.json.Encoder()
+
+
+class _Envelope(msgspec.Struct):
+    """Just enough of any frame to say what was wrong with it."""
+
+    type: Any = msgspec.UNSET
+    ref: Any = None
+
+
+_envelope = msgspec.json.Decoder(_Envelope)
+
+
+def encode(msg: ClientMessage | ServerMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_client(frame: str | bytes) -> ClientMessage:
+    """A client frame as a typed message, or ProtocolError naming what is wrong."""
+    try:
+        return _client.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _explain(frame, e) from None
+
+
+def decode_server(frame: str | bytes) -> ServerMessage:
+    """For clients: a sidecar frame as a typed message."""
+    try:
+        return _server.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError("bad_message", f"not a sidecar message: {e}") from None
+
+
+def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
+    """Turn msgspec's error into one of: bad_json, bad_message, unknown_type, missing_field,
+    invalid_field. Only failed frames pay for this second look."""
+    try:
+        env = _envelope.decode(frame)
+    except msgspec.ValidationError:  # (a subclass of DecodeError) valid JSON, not an object
+        return ProtocolError("bad_message", 'a message is a JSON object with a "type" field')
+    except msgspec.DecodeError as e:
+        return ProtocolError("bad_json", f"malformed JSON: {e}")
+    ref = env.ref if isinstance(env.ref, (str, int)) and not isinstance(env.ref, bool) else None
+    if env.type is msgspec.UNSET:
+        return ProtocolError("missing_field", 'message has no "type" field', ref)
+    if not isinstance(env.type, str) or env.type not in CLIENT_TYPES:
+        known = ", ".join(CLIENT_TYPES)
+        return ProtocolError("unknown_type", f"unknown message type {env.type!r} (known: {known})", ref)
+    text = str(err)
+    if text.startswith("Object missing required field"):
+        field = text.split("`")[1] if "`" in text else "?"
+        return ProtocolError("missing_field", f"{env.type}: missing required field {field!r}", ref)
+    return ProtocolError("invalid_field", f"{env.type}: {text.replace('$.', '')}", ref)

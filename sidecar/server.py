@@ -1,0 +1,454 @@
+"""The streaming websocket server: moves frames between clients and the one shared Pipeline.
+
+Concurrency, in one place:
+- the event loop reads every connection's frames, decodes them (protocol.py), updates the
+  connection's Session (session.py) and queues spans in `Pending`; it never embeds;
+- one worker thread owns the model: a dispatcher task hands it everything pending at
+  once, and it calls `Pipeline.detect_batch` once per catalog, so many streams share one
+  llama.cpp call; while it works, new spans queue (and, under overload, supersede);
+- each connection has a bounded outbox drained by its own writer task, so a client that
+  stops reading stalls only itself (and is closed with 1013 when its outbox is full);
+- tool_result / feedback rows are written by a store thread and acknowledged after commit.
+
+HTTP shares the port through websockets' `process_request`: /healthz and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import signal
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import parse_qs
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from . import __version__
+from . import prom as m
+from . import protocol as p
+from .catalog import Catalog
+from .config import Config
+from .gate import Decision
+from .pending import REASONS, Pending
+from .pipeline import Request as Judge
+from .session import Evaluation, Session, derive_pipeline, session_catalog
+from .store import Store
+
+log = logging.getLogger("sidecar.server")
+
+OUTBOX = 1024  # messages queued for one client before it counts as not reading
+SESSION_PIPELINES = 16  # per-session catalogs kept built (LRU)
+LATENCY_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """What /metrics shows; updated from the event loop thread only."""
+
+    def __init__(self, server: SidecarServer):
+        self.frames = m.Counter("sidecar_frames_total", "WebSocket frames, by direction and message type.", ("direction", "type"))
+        self.detections = m.Counter("sidecar_detections_total", "Judged spans by tier (none: silent) and gate path.", ("tier", "path"))
+        self.injections = m.Counter("sidecar_injections_total", "inject messages sent, by tier.", ("tier",))
+        self.latency = m.Histogram("sidecar_decision_latency_seconds", "From the frame completing a span to its decision.", LATENCY_BUCKETS)
+        self.batch = m.Histogram("sidecar_batch_size", "Evaluations judged per pipeline call.", (1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.dropped = m.Counter("sidecar_dropped_evaluations_total", "Evaluations dropped under load, by reason.", ("reason",))
+        for r in REASONS:
+            self.dropped.inc(r, by=0)
+        self.errors = m.Counter("sidecar_errors_total", "error messages sent, by code.", ("code",))
+        self.events = m.Counter("sidecar_events_total", "tool_result / feedback records committed.", ("kind",))
+        self.queue = m.Gauge("sidecar_queue_depth", "Evaluations waiting for the model.", read=lambda: len(server.pending))
+        self.conns = m.Gauge("sidecar_connections", "Open websocket connections.", read=lambda: len(server.connections))
+        self.ready = m.Gauge("sidecar_ready", "1 once the model and index are loaded.", read=lambda: float(server.ready))
+        self.load = m.Gauge("sidecar_model_load_seconds", "Time to load the model and build the index.")
+        self.cpu = m.Gauge("process_cpu_seconds_total", "CPU time of the whole process (all threads).", read=time.process_time)
+        self.cpu.kind = "counter"  # read from the OS, but a counter to Prometheus
+
+    def render(self) -> str:
+        families = [self.frames, self.detections, self.injections, self.latency, self.batch, self.dropped, self.errors,
+                    self.events, self.queue, self.conns, self.ready, self.load, self.cpu]  # fmt: skip
+        return m.render(families)
+
+
+class Connection:
+    """One client: its session and its outbox."""
+
+    def __init__(self, ws: ServerConnection, session: Session, metrics: Metrics):
+        self.ws = ws
+        self.session = session
+        self.metrics = metrics
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX)
+        self.writer = asyncio.create_task(self._write())
+
+    def send(self, msg: p.ServerMessage) -> None:
+        try:
+            self.outbox.put_nowait(p.encode(msg))
+        except asyncio.QueueFull:
+            if not self.session.closed:
+                self.session.closed = True
+                log.warning("client %s is not reading; closing", self.ws.remote_address)
+                asyncio.create_task(self.ws.close(1013, "client too slow: outbox full"))
+            return
+        kind = type(msg).__struct_config__.tag
+        self.metrics.frames.inc("out", kind)
+        if isinstance(msg, p.Error):
+            self.metrics.errors.inc(msg.code)
+
+    async def _write(self) -> None:
+        while True:
+            data = await self.outbox.get()
+            try:
+                await self.ws.send(data, text=True)
+            except ConnectionClosed:
+                self._discard()
+                return
+            finally:
+                self.outbox.task_done()
+
+    def _discard(self) -> None:
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+            self.outbox.task_done()
+
+    def stop(self) -> None:
+        """The connection is gone: stop the writer and drop what it can no longer send
+        (so a shutdown waiting on `outbox.join()` is not kept waiting)."""
+        self.writer.cancel()
+        self._discard()
+
+
+class SidecarServer:
+    def __init__(self, cfg: Config, *, pipeline: Any = None, catalog: Catalog | None = None, store: Store | None = None, progress: bool = False):
+        """Give `pipeline` to serve an already loaded one (tests, embedding); otherwise the
+        model loads in the background after the port is bound (/healthz says 503 until then)."""
+        self.cfg = cfg
+        self.limits = cfg.server
+        self.pipeline = pipeline
+        self.catalog = catalog
+        self.store = store if store is not None else getattr(pipeline, "store", None)
+        self.progress = progress
+        self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000)
+        self.metrics = Metrics(self)
+        self.connections: dict[Session, Connection] = {}
+        self.load_error: BaseException | None = None
+        self.closing = False
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
+        self._session_pipes: OrderedDict[tuple, Any] = OrderedDict()
+        self._records: set[asyncio.Task] = set()
+        self._busy = False
+        self._ws: Server | None = None
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.loaded: asyncio.Event | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline is not None and not self.closing
+
+    @property
+    def port(self) -> int:
+        return self._ws.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.limits.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self.loaded = asyncio.Event()
+        self._ws = await serve(
+            self._handle,
+            self.limits.host,
+            self.limits.port,
+            process_request=self._http,
+            max_size=self.limits.max_frame_bytes,
+            compression=None,  # small frames at a high rate: deflate costs more than it saves
+            server_header=f"sidecar/{__version__}",
+        )
+        self._tasks.append(asyncio.create_task(self._dispatch()))
+        if self.pipeline is None:
+            self._tasks.append(asyncio.create_task(self._load()))
+        else:
+            self.loaded.set()
+
+    async def _load(self) -> None:
+        from . import pipeline as pipeline_mod
+
+        t0 = time.perf_counter()
+        build = functools.partial(pipeline_mod.from_config, self.cfg, catalog=self.catalog, store=self.store, progress=self.progress)
+        try:
+            pipe = await asyncio.get_running_loop().run_in_executor(self._worker, build)
+        except Exception as e:  # reported by the caller of wait_loaded()
+            self.load_error = e
+        else:
+            self.metrics.load.set(time.perf_counter() - t0)
+            self.pipeline = pipe
+            self.store = self.store or pipe.store
+        self.loaded.set()
+
+    # HTTP side ------------------------------------------------------------------------
+
+    def _http(self, conn: ServerConnection, request: Request) -> Response | None:
+        path, _, query = request.path.partition("?")
+        if path == "/healthz":
+            if self.ready:
+                return conn.respond(200, "ok\n")
+            return conn.respond(503, "shutting down\n" if self.closing else "loading\n")
+        if path == "/metrics":
+            if not self._authorized(request.headers, query):
+                return self._unauthorized(conn)
+            resp = conn.respond(200, self.metrics.render())
+            del resp.headers["Content-Type"]
+            resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+            return resp
+        origin = request.headers.get("Origin")
+        if self.limits.origins and origin is not None and origin not in self.limits.origins:
+            return conn.respond(403, f"origin {origin} is not allowed\n")
+        if not self._authorized(request.headers, query):
+            return self._unauthorized(conn)
+        if self.closing:
+            return conn.respond(503, "shutting down\n")
+        if self.pipeline is None:
+            resp = conn.respond(503, "loading the model; retry shortly\n")
+            resp.headers["Retry-After"] = "1"
+            return resp
+        if len(self.connections) >= self.limits.max_connections:
+            return conn.respond(503, f"at most {self.limits.max_connections} connections\n")
+        return None
+
+    def _authorized(self, headers: Headers, query: str) -> bool:
+        token = self.limits.token
+        if not token:
+            return True
+        auth = headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        if given is None:
+            given = (parse_qs(query).get("token") or [None])[0]
+        return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+    @staticmethod
+    def _unauthorized(conn: ServerConnection) -> Response:
+        resp = conn.respond(401, "a token is required: Authorization: Bearer TOKEN or ?token=TOKEN\n")
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="sidecar"'
+        return resp
+
+    # Websocket side -------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            await ws.close(1013, "too many connections")
+            return
+        conn = Connection(ws, Session(self.limits, self.pipeline.catalog, self.pipeline), self.metrics)
+        self.connections[conn.session] = conn
+        try:
+            async for frame in ws:
+                await self._on_frame(conn, frame)
+        except ConnectionClosed:
+            pass  # e.g. 1009 for an oversized frame: websockets already closed it
+        finally:
+            conn.session.closed = True
+            del self.connections[conn.session]
+            conn.stop()
+
+    async def _on_frame(self, conn: Connection, frame: str | bytes) -> None:
+        now = time.perf_counter()
+        try:
+            msg = p.decode_client(frame)
+        except p.ProtocolError as e:
+            self.metrics.frames.inc("in", "invalid")
+            conn.send(p.Error(e.code, e.message, e.ref))
+            return
+        kind = type(msg).__struct_config__.tag
+        self.metrics.frames.inc("in", kind)
+        s = conn.session
+        try:
+            if isinstance(msg, p.Token):
+                self._queue(s.on_token(msg.stream, msg.delta, now))
+            elif isinstance(msg, p.User):
+                self._queue(s.on_user(msg.stream, msg.text, now))
+            elif isinstance(msg, p.End):
+                self._queue(s.on_end(msg.stream, now))
+            elif isinstance(msg, p.Ping):
+                conn.send(p.Pong())
+            elif isinstance(msg, p.Hello):
+                await self._hello(conn, msg)
+            else:  # ToolResult | Feedback
+                s.require_hello(kind)
+                self._record(conn, kind, frame, msg.ref)
+        except p.ProtocolError as e:
+            conn.send(p.Error(e.code, e.message, e.ref if e.ref is not None else getattr(msg, "ref", None)))
+        except Exception as e:
+            log.exception("handling a %s frame failed", kind)
+            conn.send(p.Error("internal", f"{type(e).__name__}: {e}", getattr(msg, "ref", None)))
+
+    async def _hello(self, conn: Connection, msg: p.Hello) -> None:
+        if msg.version is not None and msg.version != p.VERSION:
+            raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol version {p.VERSION}, not {msg.version}")
+        if conn.session.hello is not None:
+            raise p.ProtocolError("hello_again", "this connection already said hello")
+        base = self.pipeline
+        catalog = session_catalog(base.catalog, msg.tools)
+        pipe = base if catalog is base.catalog else await self._session_pipeline(base, catalog)
+        conn.session.start(msg, catalog, pipe)
+        conn.send(p.Ready(version=p.VERSION, model=base.embedder.name, tools=catalog.names(), sidecar=__version__))
+
+    async def _session_pipeline(self, base: Any, catalog: Catalog) -> Any:
+        """A session catalog's pipeline, built on the model thread and shared by sessions
+        that send the same tools."""
+        key = tuple((t.name, t.content_hash) for t in catalog)
+        pipe = self._session_pipes.get(key)
+        if pipe is None:
+            pipe = await asyncio.get_running_loop().run_in_executor(self._worker, derive_pipeline, base, catalog)
+            self._session_pipes[key] = pipe
+            while len(self._session_pipes) > SESSION_PIPELINES:
+                self._session_pipes.popitem(last=False)
+        else:
+            self._session_pipes.move_to_end(key)
+        return pipe
+
+    def _record(self, conn: Connection, kind: str, frame: str | bytes, ref: p.Ref | None) -> None:
+        payload = frame if isinstance(frame, str) else frame.decode("utf-8")
+        task = asyncio.create_task(self._commit(conn, kind, payload, ref))
+        self._records.add(task)
+        task.add_done_callback(self._records.discard)
+
+    async def _commit(self, conn: Connection, kind: str, payload: str, ref: p.Ref | None) -> None:
+        try:
+            row = await asyncio.to_thread(self.store.record_event, kind, payload, conn.session.hello.session)
+        except Exception as e:
+            log.exception("recording a %s failed", kind)
+            conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
+            return
+        self.metrics.events.inc(kind)
+        conn.send(p.Ack(ref, row))
+
+    # Evaluation -----------------------------------------------------------------------
+
+    def _queue(self, evaluations: list[Evaluation]) -> None:
+        if self.closing or not evaluations:
+            return
+        for ev in evaluations:
+            self.pending.put(ev)
+        self._wake.set()
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = [ev for ev in self.pending.take(time.perf_counter()) if not ev.session.closed]
+            self._count_drops()
+            if not batch:
+                continue
+            self._busy = True
+            try:
+                results, sizes = await loop.run_in_executor(self._worker, self._judge, batch)
+            except Exception:
+                log.exception("judging a batch of %d failed", len(batch))
+                results, sizes = [], []
+            finally:
+                self._busy = False
+            for n in sizes:
+                self.metrics.batch.observe(n)
+            for ev, d in results:
+                self._deliver(ev, d)
+            if len(self.pending):
+                self._wake.set()
+
+    def _judge(self, batch: list[Evaluation]) -> tuple[list[tuple[Evaluation, Decision]], list[int]]:
+        """On the model thread: one detect_batch call per distinct pipeline in the batch."""
+        groups: dict[int, tuple[Any, list[Evaluation]]] = {}
+        for ev in batch:
+            groups.setdefault(id(ev.session.pipeline), (ev.session.pipeline, []))[1].append(ev)
+        out = []
+        for pipe, evs in groups.values():
+            decisions = pipe.detect_batch([Judge(ev.text, ev.source) for ev in evs])
+            out.extend(zip(evs, decisions))
+        return out, [len(evs) for _, evs in groups.values()]
+
+    def _deliver(self, ev: Evaluation, d: Decision) -> None:
+        self.metrics.latency.observe(time.perf_counter() - ev.received)
+        self.metrics.detections.inc(d.tier if d.fired and d.tier else "none", d.path)
+        conn = self.connections.get(ev.session)
+        if conn is None:
+            return
+        inject = ev.session.inject_for(ev, d, self.limits.inject_margin, self.limits.max_inject_tools)
+        if inject is not None:
+            self.metrics.injections.inc(inject.tier)
+            conn.send(inject)
+        if ev.session.hello is not None and ev.session.hello.decisions:
+            conn.send(report(ev, d))
+
+    def _count_drops(self) -> None:
+        for reason, n in self.pending.dropped.items():
+            self.metrics.dropped.values[(reason,)] = float(n)
+
+    # Lifecycle ------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop accepting, finish queued evaluations and store writes, deliver what they
+        produced, close every connection with 1001, then flush the store."""
+        if self.closing:
+            return
+        self.closing = True
+        deadline = time.monotonic() + self.limits.shutdown_timeout_s
+        self._ws.server.close()  # stop listening; handshakes in flight get 503
+        while (len(self.pending) or self._busy or self._records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        flushes = [asyncio.create_task(c.outbox.join()) for c in self.connections.values()]
+        if flushes:
+            await asyncio.wait(flushes, timeout=max(0.1, deadline - time.monotonic()))
+        self._ws.close(close_connections=True)  # 1001 going away
+        await self._ws.wait_closed()
+        for t in self._tasks:
+            t.cancel()
+        for c in list(self.connections.values()):
+            c.stop()
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            try:
+                self.store.checkpoint()
+            except Exception:
+                log.exception("store checkpoint failed")
+
+
+def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
+    """The `decision` message for a session that opted in."""
+    latency = (time.perf_counter() - ev.received) * 1000
+    return p.DecisionReport(stream=ev.stream.id, source=ev.source, text=ev.text, start=ev.start, end=ev.end, reason=ev.reason,
+                            fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, score=d.score, latency_ms=round(latency, 2))  # fmt: skip
+
+
+async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print) -> int:
+    """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
+    Returns the exit status (2 when the model or index cannot be loaded)."""
+    server = SidecarServer(cfg, catalog=catalog, store=store, progress=True)
+    await server.start()
+    announce(f"listening on {server.url} (loading {cfg.model.name})")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    loading = asyncio.create_task(server.loaded.wait())
+    await asyncio.wait([stopping, loading], return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if server.load_error is not None:
+        announce(f"error: {server.load_error}")
+        status = 2
+    elif server.pipeline is not None:
+        pipe = server.pipeline
+        announce(f"ready: model {pipe.embedder.name}, {len(pipe.catalog)} tools, loaded in {server.metrics.load.get():.1f} s")
+        await stopping
+    announce("shutting down")
+    await server.shutdown()
+    loading.cancel()
+    stopping.cancel()
+    store.close()
+    return status

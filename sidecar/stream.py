@@ -1,0 +1,131 @@
+"""Incremental segmentation of streamed LLM output into spans worth judging. Sans-I/O.
+
+A tool should fire as early as the text allows, before the model's own tool call, so a
+stream is judged clause by clause while it arrives: at a clause boundary (. ! ? ; : then
+whitespace, or a newline), and, when a clause runs on, every `span_words` words. A span is
+the clause so far, so a long clause is judged as it grows. The buffer holds only the
+current clause and never more than `max_chars`: a clause that runs past it is judged and
+cut, which bounds memory per stream whatever the client sends.
+
+A terminator counts only when whitespace follows it ("3.14", "e.g", "http://x" are not
+boundaries), so a boundary is confirmed one character late; `end()` flushes the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+TERMINATORS = frozenset(".!?;:")
+CLOSERS = frozenset("\"')]}*_`»”’")  # may sit between a terminator and the whitespace
+
+Reason = Literal["boundary", "words", "limit", "end"]
+
+
+class Span(msgspec.Struct, frozen=True):
+    """Text to judge: `text == stream[start:end]`, offsets in code points from the stream's start."""
+
+    start: int
+    end: int
+    text: str
+    reason: Reason
+
+
+class Segmenter:
+    """One stream's buffer. `feed(delta)` returns the spans that became ready."""
+
+    def __init__(self, span_words: int = 12, max_chars: int = 512, min_alnum: int = 3):
+        if span_words < 1 or max_chars < 16:
+            raise ValueError("span_words must be >= 1 and max_chars >= 16")
+        self.span_words = span_words
+        self.max_chars = max_chars
+        self.min_alnum = min_alnum
+        self.total = 0  # characters fed so far: the next delta starts at this offset
+        self.ended = False
+        self._buf = ""  # the current clause, from stream offset _base
+        self._base = 0
+        self._scan = 0  # _buf[:_scan] has been looked at
+        self._term: int | None = None  # index of a terminator waiting for its whitespace
+        self._words = 0  # words completed since the clause began or was last judged
+        self._in_word = False
+        self._last: tuple[int, int] | None = None  # the last span emitted, never repeated
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, delta: str) -> list[Span]:
+        if self.ended:
+            raise ValueError("stream already ended")
+        out: list[Span] = []
+        self._buf += delta
+        self.total += len(delta)
+        i = self._scan
+        while i < len(self._buf):
+            if i >= self.max_chars:  # checked first, so no branch below can skip it
+                space = self._buf.rfind(" ", self.max_chars // 2, i)
+                cut = space if space > 0 else i
+                self._emit(cut, "limit", out)
+                i = self._rebase(cut)
+                continue
+            c = self._buf[i]
+            if self._term is not None:
+                if c in TERMINATORS or c in CLOSERS:
+                    i += 1
+                    continue
+                if c.isspace():
+                    self._emit(self._term, "boundary", out)
+                    i = self._rebase(i)
+                    continue
+                self._term = None  # "3.14", "e.g": a terminator inside a word
+            if c == "\n":
+                self._emit(i, "boundary", out)
+                i = self._rebase(i + 1)
+                continue
+            if c in TERMINATORS:
+                self._term = i
+            elif c.isspace():
+                if self._in_word:
+                    self._in_word = False
+                    self._words += 1
+                    if self._words >= self.span_words:
+                        self._emit(i, "words", out)
+                        self._words = 0
+            else:
+                self._in_word = True
+            i += 1
+        self._scan = i
+        return out
+
+    def end(self) -> list[Span]:
+        """Flush what is left (a pending terminator ends the clause). Idempotent."""
+        if self.ended:
+            return []
+        self.ended = True
+        out: list[Span] = []
+        self._emit(self._term if self._term is not None else len(self._buf), "end", out)
+        self._rebase(len(self._buf))
+        return out
+
+    def _emit(self, stop: int, reason: Reason, out: list[Span]) -> None:
+        """Append the clause `_buf[:stop]`, trimmed, unless it is too short or a repeat."""
+        raw = self._buf[:stop]
+        text = raw.strip()
+        if sum(ch.isalnum() for ch in text) < self.min_alnum:
+            return
+        start = self._base + (len(raw) - len(raw.lstrip()))
+        end = start + len(text)
+        if self._last == (start, end):
+            return
+        self._last = (start, end)
+        out.append(Span(start, end, text, reason))
+
+    def _rebase(self, at: int) -> int:
+        """Start a new clause at `_buf[at]`; returns the scan position in the new buffer."""
+        self._buf = self._buf[at:]
+        self._base += at
+        self._term = None
+        self._words = 0
+        self._in_word = False
+        return 0

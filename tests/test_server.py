@@ -1,0 +1,613 @@
+"""The streaming websocket server, end to end: a real SidecarServer on 127.0.0.1 (port 0),
+real websocket clients (sidecar.client and raw `websockets`), real models, real SQLite.
+
+Each test runs its own coroutine with asyncio.run (no pytest-asyncio) under a generous
+overall bound; nothing here asserts on time. To wait for decisions that did not fire, the
+clients opt in to `decision` messages (hello.decisions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import sys
+import threading
+
+import msgspec
+import pytest
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from sidecar import config as config_mod
+from sidecar import models
+from sidecar import protocol as p
+from sidecar.client import SidecarClient, SidecarError, tokens
+from sidecar.config import Config, ServerConfig
+from sidecar.server import SidecarServer
+from sidecar.store import Store
+from sidecar.stream import Segmenter
+
+from .conftest import CATALOGS, ROOT
+from .test_pipeline import _pipeline
+
+NOTES = CATALOGS / "notes.json"
+SMALL = models.SMALL_MODEL
+SEARCH = "I should call semantic_search to find the kubernetes setup."
+SAVE = "I should call create_note to save this meeting summary."
+BOUND_S = 180  # an overall bound per test against hangs, never a speed assertion
+WAIT_S = 60  # for one expected message
+
+
+@pytest.fixture(scope="session")
+def pipelines(tmp_path_factory):
+    """Each model's pipeline, loaded once per test session and only if a test asks for it."""
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            cache[model] = _pipeline(model, tmp_path_factory.mktemp(f"server-{model}") / "sidecar.db")
+        return cache[model]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def small(pipelines):
+    return pipelines(SMALL)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, BOUND_S))
+
+
+@contextlib.asynccontextmanager
+async def serving(pipe, **limits):
+    server = SidecarServer(Config(server=ServerConfig(port=0, **limits)), pipeline=pipe)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.shutdown()
+
+
+async def until(sc: SidecarClient, pred, limit: int = 1000) -> list[p.ServerMessage]:
+    """Messages up to and including the first that satisfies `pred`."""
+    out = []
+    for _ in range(limit):
+        msg = await sc.recv(WAIT_S)
+        out.append(msg)
+        if pred(msg):
+            return out
+    raise AssertionError(f"no matching message in {limit}: {out[-5:]}")
+
+
+async def decisions(sc: SidecarClient, n: int) -> list[p.ServerMessage]:
+    """Everything received until `n` decision reports have arrived."""
+    seen = []
+    while sum(isinstance(m, p.DecisionReport) for m in seen) < n:
+        seen.append(await sc.recv(WAIT_S))
+    return seen
+
+
+def spans_of(text: str, **limits) -> int:
+    """How many spans the server will judge for `text` streamed on one stream then ended."""
+    cfg = ServerConfig(**limits)
+    seg = Segmenter(cfg.span_words, cfg.max_stream_chars)
+    return len(seg.feed(text)) + len(seg.end())
+
+
+def injected(msgs) -> list[str]:
+    return [t.definition["name"] for m in msgs if isinstance(m, p.Inject) for t in m.tools]
+
+
+async def send_chars(sc: SidecarClient, stream: str, text: str) -> None:
+    for ch in text:
+        await sc.token(stream, ch)
+
+
+async def raw_exchange(ws, frame: str | bytes) -> dict:
+    await ws.send(frame)
+    return json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+
+
+async def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Connection: close\r\n\r\n".encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), WAIT_S)
+    writer.close()
+    raw_head, _, body = data.decode().partition("\r\n\r\n")
+    status_line, *lines = raw_head.split("\r\n")
+    hdrs = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), hdrs, body
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+# Streaming -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [SMALL, models.DEFAULT_MODEL])
+def test_a_reply_streamed_character_by_character_gets_its_inject_before_end(pipelines, model):
+    pipe = pipelines(model)
+    reply = SEARCH + " Ok, that is all for now"
+
+    async def body():
+        async with serving(pipe) as srv, await SidecarClient.connect(srv.url, session="chars") as sc:
+            assert sc.ready.model == model and sc.ready.version == p.VERSION
+            assert sc.ready.tools == pipe.catalog.names()
+            await send_chars(sc, "r1", reply)
+            msgs = await until(sc, lambda m: isinstance(m, p.Inject))  # `end` not sent yet
+            inj = msgs[-1]
+            assert inj.stream == "r1" and inj.tier in ("auto", "confirm")
+            best = inj.tools[0]
+            assert best.definition == pipe.catalog.get("semantic_search").definition()
+            assert best.score >= pipe.thresholds.confirm and best.why
+            t = inj.trigger
+            assert t.path.startswith("high:")
+            assert 0 <= t.start < t.end <= len(SEARCH) and reply[t.start:t.end] == t.text
+            assert inj.latency_ms >= 0
+            await sc.end("r1")
+            await sc.ping()
+            assert isinstance(await sc.recv(WAIT_S), (p.Pong, p.Inject))
+
+    run(body())
+
+
+def test_no_tool_is_injected_twice_in_one_stream(small):
+    reply = " ".join([SEARCH, SEARCH.replace("kubernetes", "docker"), SEARCH.replace("kubernetes setup", "nginx config")])
+    n = spans_of(reply)
+
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="twice", decisions=True) as sc:
+            for piece in tokens(reply):
+                await sc.token("r1", piece)
+            await sc.end("r1")
+            msgs = await decisions(sc, n)
+            fired = [m for m in msgs if isinstance(m, p.DecisionReport) and m.fired and m.tool == "semantic_search"]
+            assert len(fired) >= 2, msgs  # it would have fired again ...
+            assert injected(msgs).count("semantic_search") == 1  # ... but was injected once
+            assert all(m.stream == "r1" for m in msgs if isinstance(m, (p.Inject, p.DecisionReport)))
+            # another stream of the same session gets it again
+            await sc.user("u2", SEARCH)
+            again = await decisions(sc, 1)
+            assert "semantic_search" in injected(again)
+
+    run(body())
+
+
+def test_user_turn_is_judged_whole(small):
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="user", decisions=True) as sc:
+            await sc.user("u1", "  " + SEARCH + " It is somewhere in there")
+            [*_, d] = await decisions(sc, 1)
+            assert d.source == "user" and d.reason == "user"
+            assert d.text == SEARCH + " It is somewhere in there" and (d.start, d.end) == (2, 2 + len(d.text))
+
+    run(body())
+
+
+def test_fifty_concurrent_clients_each_get_their_own_inject(small):
+    async def one(url: str, i: int) -> tuple[str, list[str]]:
+        text, want = (SEARCH, "semantic_search") if i % 2 else (SAVE, "create_note")
+        async with await SidecarClient.connect(url, session=f"c{i}") as sc:
+            for piece in tokens(text + " Ok"):
+                await sc.token(f"s{i}", piece)
+            msgs = await until(sc, lambda m: isinstance(m, p.Inject))
+            await sc.end(f"s{i}")
+            assert msgs[-1].stream == f"s{i}"
+            return want, injected(msgs)
+
+    async def body():
+        async with serving(small) as srv:
+            results = await asyncio.gather(*(one(srv.url, i) for i in range(50)))
+            assert len(srv.connections) <= 50
+            return results, srv.metrics.batch.count, srv.metrics.latency.count
+
+    results, batches, judged = run(body())
+    assert len(results) == 50
+    for want, got in results:
+        assert got[0] == want, (want, got)
+    assert judged >= 50 and batches >= 1
+
+
+# Bad frames and limits -----------------------------------------------------------------
+
+
+def test_bad_frames_get_errors_naming_the_problem_while_another_client_keeps_working(small):
+    async def bad(url: str) -> None:
+        async with websockets.connect(url) as ws:
+            e = await raw_exchange(ws, json.dumps({"type": "token", "stream": "a", "delta": "x"}))
+            assert (e["type"], e["code"]) == ("error", "no_hello") and "hello" in e["message"]
+            e = await raw_exchange(ws, "{not json")
+            assert (e["code"], e["message"].startswith("malformed JSON")) == ("bad_json", True)
+            e = await raw_exchange(ws, "[1, 2]")
+            assert e["code"] == "bad_message"
+            e = await raw_exchange(ws, json.dumps({"stream": "a"}))
+            assert e["code"] == "missing_field" and '"type"' in e["message"]
+            e = await raw_exchange(ws, json.dumps({"type": "frobnicate", "ref": "q1"}))
+            assert e["code"] == "unknown_type" and "frobnicate" in e["message"] and e["ref"] == "q1"
+            e = await raw_exchange(ws, json.dumps({"type": "hello"}))
+            assert e["code"] == "missing_field" and "'session'" in e["message"]
+            e = await raw_exchange(ws, json.dumps({"type": "hello", "session": "x", "version": 99}))
+            assert e["code"] == "unsupported_version"
+            r = await raw_exchange(ws, json.dumps({"type": "hello", "session": "x"}))
+            assert r["type"] == "ready"
+            e = await raw_exchange(ws, json.dumps({"type": "hello", "session": "x"}))
+            assert e["code"] == "hello_again"
+            e = await raw_exchange(ws, json.dumps({"type": "token", "stream": "a"}))
+            assert e["code"] == "missing_field" and "'delta'" in e["message"]
+            e = await raw_exchange(ws, json.dumps({"type": "token", "stream": "a", "delta": 5}))
+            assert e["code"] == "invalid_field" and "delta" in e["message"]
+            e = await raw_exchange(ws, json.dumps({"type": "feedback", "tool": "t", "rating": "high", "ref": "f1"}))
+            assert e["code"] == "invalid_field" and "rating" in e["message"] and e["ref"] == "f1"
+            e = await raw_exchange(ws, json.dumps({"type": "end", "stream": "never"}))
+            assert e["code"] == "unknown_stream"
+            assert (await raw_exchange(ws, '{"type": "ping"}'))["type"] == "pong"  # still open
+
+    async def good(url: str) -> list[str]:
+        async with await SidecarClient.connect(url, session="good") as sc:
+            for piece in tokens(SEARCH + " Ok"):
+                await sc.token("r", piece)
+            return injected(await until(sc, lambda m: isinstance(m, p.Inject)))
+
+    async def body():
+        async with serving(small) as srv:
+            _, got = await asyncio.gather(bad(srv.url), good(srv.url))
+            assert got[0] == "semantic_search"
+            return srv.metrics.errors.values, srv.metrics.frames.get("in", "invalid")
+
+    errors, invalid = run(body())
+    assert errors[("bad_json",)] == 1 and errors[("unknown_type",)] == 1 and errors[("no_hello",)] == 1
+    assert invalid == 8  # the frames that did not decode as a client message
+
+
+def test_oversized_frame_closes_with_1009_and_others_are_unaffected(small):
+    async def body():
+        async with serving(small, max_frame_bytes=4096) as srv:
+            async with await SidecarClient.connect(srv.url, session="other") as other:
+                big = await SidecarClient.connect(srv.url, session="big")
+                await big.token("x", "a" * 5000)
+                with pytest.raises(ConnectionClosed):
+                    await big.recv(WAIT_S)
+                assert big.ws.close_code == 1009
+                for piece in tokens(SEARCH + " Ok"):
+                    await other.token("r", piece)
+                got = injected(await until(other, lambda m: isinstance(m, p.Inject)))
+                assert got[0] == "semantic_search"
+            async with await SidecarClient.connect(srv.url, session="later") as later:  # still accepting
+                await later.ping()
+                assert isinstance(await later.recv(WAIT_S), p.Pong)
+
+    run(body())
+
+
+def test_stream_and_connection_limits(small):
+    async def body():
+        async with serving(small, max_streams=2, max_connections=2, max_stream_chars=64) as srv:
+            async with await SidecarClient.connect(srv.url, session="lim", decisions=True) as sc, \
+                       await SidecarClient.connect(srv.url, session="second"):
+                await sc.token("a", "one")
+                await sc.token("b", "two")
+                await sc.token("c", "three")
+                e = await sc.recv(WAIT_S)
+                assert isinstance(e, p.Error) and e.code == "too_many_streams" and "2" in e.message
+                await sc.end("a")
+                await sc.token("c", "three")  # a slot freed
+                await sc.token("a", "more")
+                e = (await until(sc, lambda m: isinstance(m, p.Error)))[-1]
+                assert e.code == "stream_ended"
+                # a clause with no boundary is judged and cut at max_stream_chars
+                run_on = " ".join(f"word{i}" for i in range(60))
+                await sc.token("c", run_on)
+                msgs = await until(sc, lambda m: isinstance(m, p.DecisionReport) and m.reason == "limit")
+                d = msgs[-1]
+                assert d.stream == "c" and len(d.text) <= 64
+                with pytest.raises(InvalidStatus) as refused:  # connection 3 of 2
+                    async with websockets.connect(srv.url, open_timeout=WAIT_S):
+                        pass
+                assert refused.value.response.status_code == 503
+
+    run(body())
+
+
+def test_overload_drops_are_counted_and_frames_are_still_read(small):
+    clauses = " ".join(f"Clause number {i} is here." for i in range(6)) + " "
+
+    async def body():
+        async with serving(small, max_pending=2) as srv, await SidecarClient.connect(srv.url, session="o", decisions=True) as sc:
+            await sc.token("r", clauses)  # six spans queued at once, room for two
+            got = await decisions(sc, 2)
+            assert srv.pending.dropped["overflow"] == 4
+            assert [m.text for m in got if isinstance(m, p.DecisionReport)] == ["Clause number 4 is here", "Clause number 5 is here"]
+        async with serving(small, stale_ms=0.001) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
+            await sc.token("r", clauses)
+            await sc.ping()  # never stop reading frames
+            assert isinstance(await sc.recv(WAIT_S), p.Pong)
+            for _ in range(1000):  # the dispatcher runs on the same loop: let it take the queue
+                if srv.pending.dropped["stale"] == 6:
+                    break
+                await asyncio.sleep(0.01)
+            _, _, text = await http_get(srv.port, "/metrics")
+            assert parse_metrics(text)['sidecar_dropped_evaluations_total{reason="stale"}'] == 6
+
+    run(body())
+
+
+# Store ---------------------------------------------------------------------------------
+
+
+def test_ack_comes_once_the_record_is_in_sqlite(small):
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="acks") as sc:
+            db = sqlite3.connect(small.store.path)
+            try:
+                await sc.tool_result("semantic_search", True, 12.5, ref="r-1")
+                ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
+                assert ack.ref == "r-1"
+                kind, session, payload = db.execute("SELECT kind, session, payload FROM events WHERE id=?", (ack.id,)).fetchone()
+                assert (kind, session) == ("tool_result", "acks")
+                assert json.loads(payload) == {"type": "tool_result", "tool": "semantic_search", "ok": True, "latency_ms": 12.5, "ref": "r-1"}
+                await sc.feedback("create_note", rating=0.5, selected=True, query="save this", ref=7)
+                ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
+                assert ack.ref == 7
+                row = db.execute("SELECT kind, payload FROM events WHERE id=?", (ack.id,)).fetchone()
+                assert row[0] == "feedback" and json.loads(row[1])["query"] == "save this"
+            finally:
+                db.close()
+
+    run(body())
+
+
+# Catalog per session -------------------------------------------------------------------
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather and the forecast for a city.",
+    "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def test_hello_tools_narrow_and_extend_the_catalog(small):
+    async def body():
+        async with serving(small) as srv:
+            async with await SidecarClient.connect(srv.url, session="narrow", tools=["create_note", "read_note"], decisions=True) as sc:
+                assert sc.ready.tools == ["create_note", "read_note"]
+                await sc.user("u", SEARCH)
+                msgs = await decisions(sc, 1)
+                assert msgs[-1].tool in ("create_note", "read_note")
+                assert "semantic_search" not in injected(msgs)
+            async with await SidecarClient.connect(srv.url, session="extend", tools=[WEATHER], decisions=True) as sc:
+                assert sc.ready.tools == [*small.catalog.names(), "get_weather"]
+                await sc.user("u", "I should call get_weather for Paris.")
+                msgs = await decisions(sc, 1)
+                assert msgs[-1].tool == "get_weather"
+                inj = [m for m in msgs if isinstance(m, p.Inject)]
+                assert inj and inj[0].tools[0].definition["name"] == "get_weather"
+                assert inj[0].tools[0].definition["inputSchema"] == WEATHER["inputSchema"]
+            with pytest.raises(SidecarError, match="unknown_tool.*no_such_tool"):
+                await SidecarClient.connect(srv.url, session="bad", tools=["no_such_tool"])
+            assert small.catalog.names() == srv.pipeline.catalog.names()  # the server's own is untouched
+
+    run(body())
+
+
+# HTTP: health, metrics, auth -----------------------------------------------------------
+
+
+def test_healthz_is_503_until_the_model_is_loaded_then_200(tmp_path):
+    cfg = config_mod.load(env={}, overrides={("model", "name"): SMALL, ("catalogs",): [str(NOTES)], ("server", "port"): 0})
+    release = threading.Event()
+
+    async def body():
+        server = SidecarServer(cfg, store=Store(tmp_path / "h.db"))
+        server._worker.submit(release.wait)  # hold the model thread: loading waits behind it
+        await server.start()
+        try:
+            status, _, text = await http_get(server.port, "/healthz")
+            assert (status, text) == (503, "loading\n")
+            _, _, text = await http_get(server.port, "/metrics")
+            assert parse_metrics(text)["sidecar_ready"] == 0
+            with pytest.raises(InvalidStatus) as refused:
+                async with websockets.connect(server.url):
+                    pass
+            assert refused.value.response.status_code == 503
+            assert refused.value.response.headers["Retry-After"] == "1"
+            release.set()
+            await server.loaded.wait()
+            assert server.load_error is None
+            status, _, text = await http_get(server.port, "/healthz")
+            assert (status, text) == (200, "ok\n")
+            metrics = parse_metrics((await http_get(server.port, "/metrics"))[2])
+            assert metrics["sidecar_ready"] == 1 and metrics["sidecar_model_load_seconds"] > 0
+            async with await SidecarClient.connect(server.url, session="h") as sc:
+                assert sc.ready.model == SMALL and "semantic_search" in sc.ready.tools
+        finally:
+            release.set()
+            await server.shutdown()
+
+    run(body())
+
+
+def test_metrics_count_what_happened(small):
+    reply = SEARCH + " Ok"
+    pieces = tokens(reply)
+
+    async def body():
+        async with serving(small) as srv:
+            async with await SidecarClient.connect(srv.url, session="m", decisions=True) as sc:
+                for piece in pieces:
+                    await sc.token("r", piece)
+                await sc.end("r")
+                await decisions(sc, spans_of(reply))
+                await sc.ws.send("{oops")
+                assert isinstance(await sc.recv(WAIT_S), p.Error)
+                status, headers, text = await http_get(srv.port, "/metrics")
+        return status, headers, text
+
+    status, headers, text = run(body())
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = parse_metrics(text)
+    assert m['sidecar_frames_total{direction="in",type="token"}'] == len(pieces)
+    assert m['sidecar_frames_total{direction="in",type="hello"}'] == 1
+    assert m['sidecar_frames_total{direction="out",type="inject"}'] == 1
+    assert m.get('sidecar_injections_total{tier="auto"}', 0) + m.get('sidecar_injections_total{tier="confirm"}', 0) == 1
+    assert sum(v for k, v in m.items() if k.startswith("sidecar_detections_total") and 'path="high:' in k) >= 1
+    assert m["sidecar_decision_latency_seconds_count"] == spans_of(reply)
+    assert m['sidecar_decision_latency_seconds_bucket{le="+Inf"}'] == spans_of(reply)
+    assert m['sidecar_errors_total{code="bad_json"}'] == 1
+    assert m['sidecar_dropped_evaluations_total{reason="stale"}'] == 0
+    assert m["sidecar_queue_depth"] == 0 and m["sidecar_connections"] == 1 and m["sidecar_ready"] == 1
+    assert m["process_cpu_seconds_total"] > 0
+    assert "# TYPE sidecar_decision_latency_seconds histogram" in text
+
+
+def test_token_auth_and_origin_allowlist(small):
+    secret, allowed = "s3cret-token", "https://chat.example"
+
+    async def body():
+        async with serving(small, token=secret, origins=[allowed]) as srv:
+            for url, headers in [(srv.url, None), (srv.url, {"Authorization": "Bearer wrong"}), (srv.url + "/?token=wrong", None)]:
+                with pytest.raises(InvalidStatus) as refused:
+                    async with websockets.connect(url, additional_headers=headers):
+                        pass
+                assert refused.value.response.status_code == 401
+            async with await SidecarClient.connect(srv.url, session="hdr", token=secret) as sc:  # Authorization: Bearer
+                assert sc.ready.tools
+            async with websockets.connect(f"{srv.url}/?token={secret}") as ws:  # browsers: ?token=
+                assert (await raw_exchange(ws, '{"type": "hello", "session": "q"}'))["type"] == "ready"
+            with pytest.raises(SidecarError, match="403"):
+                await SidecarClient.connect(srv.url, session="evil", token=secret, origin="https://evil.example")
+            async with await SidecarClient.connect(srv.url, session="ok", token=secret, origin=allowed) as sc:
+                assert sc.ready.tools
+            assert (await http_get(srv.port, "/metrics"))[0] == 401
+            assert (await http_get(srv.port, "/metrics", {"Authorization": f"Bearer {secret}"}))[0] == 200
+            assert (await http_get(srv.port, "/healthz"))[0] == 200  # probes need no token
+
+    run(body())
+
+
+# Processes: `sidecar serve` and the example client --------------------------------------
+
+
+async def _serve(tmp_path, *extra: str):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", SMALL, "--catalog", str(NOTES),
+        "--store", str(tmp_path / "serve.db"), *extra, stderr=asyncio.subprocess.PIPE, env=env, cwd=ROOT,
+    )  # fmt: skip
+    lines: list[str] = []
+    url = None
+    for _ in range(50):
+        line = (await asyncio.wait_for(proc.stderr.readline(), WAIT_S)).decode()
+        lines.append(line)
+        if found := re.search(r"listening on (ws://\S+)", line):
+            url = found.group(1)
+            break
+        if not line:
+            break
+    assert url, lines
+    drain = asyncio.create_task(_drain(proc.stderr, lines))
+    return proc, url, lines, drain
+
+
+async def _drain(stream, lines: list[str]) -> None:
+    while line := await stream.readline():
+        lines.append(line.decode())
+
+
+def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
+    async def body():
+        proc, url, lines, drain = await _serve(tmp_path)
+        try:
+            a = await SidecarClient.connect(url, session="a", wait_s=WAIT_S)
+            b = await SidecarClient.connect(url, session="b", wait_s=WAIT_S)
+            await a.feedback("semantic_search", rating=1.0, ref="fb")
+            assert (await until(a, lambda m: isinstance(m, p.Ack)))[-1].ref == "fb"
+            for piece in tokens(SEARCH + " Ok"):
+                await b.token("r", piece)
+            await b.ping()  # once answered, the server has read (and queued) every token
+            seen = await until(b, lambda m: isinstance(m, p.Pong))
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(ConnectionClosed):
+                for _ in range(100):
+                    seen.append(await b.recv(WAIT_S))
+            assert "semantic_search" in injected(seen)  # in-flight work finished and delivered
+            await a.ws.wait_closed()
+            assert (a.ws.close_code, b.ws.close_code) == (1001, 1001)
+            assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await drain
+        return lines
+
+    lines = run(body())
+    assert any("shutting down" in line for line in lines), lines
+    db = sqlite3.connect(tmp_path / "serve.db")
+    try:
+        assert db.execute("SELECT kind, session FROM events").fetchall() == [("feedback", "a")]
+    finally:
+        db.close()
+    assert not (tmp_path / "serve.db-wal").exists() or (tmp_path / "serve.db-wal").stat().st_size == 0  # flushed
+
+
+def test_serve_refuses_a_bad_config_with_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nmax_streams = 0\n")
+
+    async def body():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", "serve", "--config", str(bad), "--port", "0",
+            stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+        return proc.returncode, err.decode()
+
+    code, err = run(body())
+    assert code == 2 and "server.max_streams=0 must be positive" in err
+
+
+def test_example_client_streams_a_reply_and_prints_the_injection(small):
+    async def body():
+        async with serving(small) as srv:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sidecar.client", srv.url, SEARCH + " Ok, done.", "--rate", "200",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = run(body())
+    assert code == 0, err
+    assert re.search(r"^inject \[(auto|confirm)\] semantic_search", out, re.M), out
+    assert "1 inject(s)" in out
+
+
+def test_protocol_examples_in_the_docs_decode():
+    """Every client example in docs/protocol.md is a valid message; every server one too."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    frames = re.findall(r"^(?:→|←) (\{.*\})$", text, re.M)
+    assert len(frames) >= 12
+    types = set()
+    for line in re.findall(r"^(→|←) (\{.*\})$", text, re.M):
+        arrow, frame = line
+        msg = p.decode_client(frame) if arrow == "→" else p.decode_server(frame)
+        types.add(type(msg).__struct_config__.tag)
+    assert types >= {"hello", "user", "token", "end", "tool_result", "feedback", "ping", "ready", "inject", "decision", "ack", "error", "pong"}
+    assert msgspec.json.decode(frames[0])["type"] == "hello"

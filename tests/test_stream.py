@@ -1,0 +1,215 @@
+"""The sans-I/O parts of streaming: the segmenter, the pending queue, per-connection sessions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sidecar import catalog as catalog_mod
+from sidecar.config import ServerConfig
+from sidecar.gate import Candidate, Decision, Thresholds, Timing, Trigger
+from sidecar.pending import Pending
+from sidecar.protocol import Hello, ProtocolError
+from sidecar.session import Session, session_catalog
+from sidecar.stream import Segmenter
+
+from .conftest import CATALOGS
+
+REPLY = "Let me search my notes for the kubernetes setup. Then I will summarise it: briefly!\nDone"
+
+
+def run(seg: Segmenter, deltas) -> list:
+    out = []
+    for d in deltas:
+        out += seg.feed(d)
+    return out + seg.end()
+
+
+def test_clause_boundaries_split_a_reply_and_offsets_index_the_stream():
+    spans = run(Segmenter(), REPLY)  # one character at a time
+    assert [s.text for s in spans] == [
+        "Let me search my notes for the kubernetes setup",
+        "Then I will summarise it",
+        "briefly",
+        "Done",
+    ]
+    assert [s.reason for s in spans] == ["boundary", "boundary", "boundary", "end"]
+    for s in spans:
+        assert REPLY[s.start:s.end] == s.text
+
+
+def test_delta_size_does_not_change_the_spans():
+    whole = run(Segmenter(), [REPLY])
+    rng = random.Random(7)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(REPLY)), 12))
+        deltas = [REPLY[a:b] for a, b in zip([0, *cuts], [*cuts, len(REPLY)])]
+        assert run(Segmenter(), deltas) == whole
+
+
+def test_a_boundary_waits_for_whitespace_so_numbers_and_urls_stay_whole():
+    seg = Segmenter()
+    assert seg.feed("Version 3.14 lives at http://example.org/a.b today") == []
+    assert seg.feed(".") == []  # not yet: "." then whitespace ends a clause
+    [span] = seg.feed(" ")
+    assert span.text == "Version 3.14 lives at http://example.org/a.b today"
+
+
+def test_newline_is_a_boundary_at_once():
+    seg = Segmenter()
+    [span] = seg.feed("first line of text\n")
+    assert span.text == "first line of text" and span.reason == "boundary"
+
+
+def test_a_clause_without_boundary_is_judged_every_n_words_as_it_grows():
+    seg = Segmenter(span_words=4)
+    spans = run(seg, "one two three four five six seven eight nine")
+    assert [s.text for s in spans] == ["one two three four", "one two three four five six seven eight", "one two three four five six seven eight nine"]
+    assert [s.reason for s in spans] == ["words", "words", "end"]
+    assert all(s.start == 0 for s in spans)
+
+
+def test_memory_is_bounded_and_long_clauses_are_cut():
+    seg = Segmenter(span_words=1000, max_chars=64)
+    text = " ".join(f"word{i}" for i in range(400))  # no boundary at all
+    spans = []
+    for ch in text:
+        spans += seg.feed(ch)
+        assert seg.buffered <= 64
+    spans += seg.end()
+    assert all(s.reason in ("limit", "end") for s in spans)
+    assert all(len(s.text) <= 64 for s in spans)
+    assert " ".join(s.text for s in spans) == text  # cut between words, nothing lost
+    blob = run(Segmenter(max_chars=32), ["x" * 1000])  # one huge word in one delta
+    assert sum(len(s.text) for s in blob) == 1000
+
+
+def test_trivial_spans_and_repeats_are_not_emitted():
+    assert run(Segmenter(), "1. ok. ... !!\n\n") == []
+    seg = Segmenter(span_words=3)
+    spans = run(seg, "alpha beta gamma.")  # the words span and the boundary span are the same text
+    assert [s.text for s in spans] == ["alpha beta gamma"]
+
+
+def test_end_flushes_a_pending_terminator_and_is_final():
+    seg = Segmenter()
+    assert seg.feed("Let me read the note.") == []
+    [span] = seg.end()
+    assert span.text == "Let me read the note" and span.reason == "end"
+    assert seg.end() == []
+    with pytest.raises(ValueError):
+        seg.feed("more")
+
+
+# Pending ---------------------------------------------------------------------------
+
+
+class Ev:
+    def __init__(self, key, received, name=""):
+        self.key, self.received, self.name = key, received, name
+
+
+def test_pending_supersedes_per_stream_and_counts_every_drop():
+    q = Pending(max_pending=3, stale_s=1.0)
+    a, b = object(), object()
+    q.put(Ev(a, 0.0, "a1"))
+    q.put(Ev(b, 0.0, "b1"))
+    q.put(Ev(a, 0.1, "a2"))  # supersedes a1
+    assert q.dropped["superseded"] == 1 and len(q) == 2
+    for i in range(3):
+        q.put(Ev(object(), 0.2, f"u{i}"))
+    assert q.dropped["overflow"] == 2 and len(q) == 3  # b1 and a2, the oldest, went first
+    q.put(Ev(object(), -5.0, "old"))  # dropped as overflow (u0 goes) ...
+    taken = q.take(now=0.5)
+    assert q.dropped["stale"] == 1  # ... and "old" waited too long
+    assert [e.name for e in taken] == ["u1", "u2"] and len(q) == 0
+
+
+# Session -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def notes():
+    return catalog_mod.load([CATALOGS / "notes.json"])
+
+
+class FakePipeline:
+    thresholds = Thresholds(high=0.35, fallback=0.55, auto=0.60, confirm=0.40)
+
+
+def fired(tool: str, score: float, others=()) -> Decision:
+    cands = [Candidate(tool, score, "case")] + [Candidate(t, s, "case") for t, s in others]
+    return Decision(True, "auto", "high:x", tool, score, "case", 0.35, cands, Timing(), "llm", Trigger("call it", 2, 9))
+
+
+def test_session_needs_hello_and_enforces_stream_limits(notes):
+    s = Session(ServerConfig(max_streams=2), notes, FakePipeline())
+    with pytest.raises(ProtocolError) as e:
+        s.on_token("a", "hi", 0.0)
+    assert e.value.code == "no_hello"
+    s.start(Hello(session="s"), notes, FakePipeline())
+    s.on_token("a", "x", 0.0)
+    s.on_token("b", "y", 0.0)
+    with pytest.raises(ProtocolError) as e:
+        s.on_token("c", "z", 0.0)
+    assert e.value.code == "too_many_streams"
+    s.on_end("a", 0.0)
+    s.on_token("c", "z", 0.0)  # a slot freed
+    with pytest.raises(ProtocolError) as e:
+        s.on_token("a", "more", 0.0)
+    assert e.value.code == "stream_ended"
+    with pytest.raises(ProtocolError) as e:
+        s.on_end("nope", 0.0)
+    assert e.value.code == "unknown_stream"
+
+
+def test_a_tool_is_injected_once_per_stream_with_close_runners_up(notes):
+    s = Session(ServerConfig(inject_margin=0.05), notes, FakePipeline())
+    s.start(Hello(session="s"), notes, FakePipeline())
+    [ev] = s.on_user("u1", "  please note this", 0.0)
+    assert (ev.start, ev.end, ev.source) == (2, 18, "user")
+    inj = s.inject_for(ev, fired("create_note", 0.70, [("update_note", 0.67), ("read_note", 0.50)]), 0.05, 3)
+    assert [t.definition["name"] for t in inj.tools] == ["create_note", "update_note"]
+    assert inj.tools[0].definition == notes.get("create_note").definition()
+    assert (inj.trigger.start, inj.trigger.end, inj.trigger.path) == (4, 11, "high:x")
+    [ev2] = s.on_user("u1", "again please note this", 0.0)
+    assert s.inject_for(ev2, fired("create_note", 0.9), 0.05, 3) is None  # already injected in u1
+    [ev3] = s.on_user("u2", "please note this", 0.0)
+    assert s.inject_for(ev3, fired("create_note", 0.9), 0.05, 3) is not None  # another stream
+
+
+def test_session_catalog_narrows_and_extends(notes):
+    assert session_catalog(notes, None) is notes
+    narrowed = session_catalog(notes, ["create_note", "read_note"])
+    assert narrowed.names() == ["create_note", "read_note"]
+    extra = {"name": "get_weather", "description": "Current weather for a city", "inputSchema": {"type": "object"}}
+    extended = session_catalog(notes, [extra])
+    assert extended.names() == [*notes.names(), "get_weather"]
+    assert session_catalog(notes, ["read_note", extra]).names() == ["read_note", "get_weather"]
+    with pytest.raises(ProtocolError) as e:
+        session_catalog(notes, ["no_such_tool"])
+    assert e.value.code == "unknown_tool" and "no_such_tool" in e.value.message
+    with pytest.raises(ProtocolError) as e:
+        session_catalog(notes, [{"description": "nameless"}])
+    assert e.value.code == "bad_catalog"
+
+
+def test_a_run_of_terminators_cannot_grow_the_buffer():
+    seg = Segmenter(max_chars=32)
+    seg.feed("Wait")
+    spans = []
+    for _ in range(500):  # "....": each one a terminator still waiting for whitespace
+        spans += seg.feed(".")
+        assert seg.buffered <= 32
+    assert spans and all(s.reason == "limit" for s in spans)
+
+
+def test_clauses_of_a_stream_never_supersede_each_other_but_a_growing_clause_does(notes):
+    s = Session(ServerConfig(span_words=3), notes, FakePipeline())
+    s.start(Hello(session="s"), notes, FakePipeline())
+    q = Pending(max_pending=100, stale_s=10.0)
+    for ev in s.on_token("a", "one two three four five six. seven eight nine ten.", 0.0) + s.on_end("a", 0.0):
+        q.put(ev)
+    assert [e.text for e in q.take(0.0)] == ["one two three four five six", "seven eight nine ten"]
+    assert q.dropped["superseded"] == 2  # the 3-word spans of each clause, overtaken by longer ones
