@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from .cases import Strategy
+from .recommend.scoring import IntentRules, Priors, Weights
 
 
 class ConfigError(ValueError):
@@ -23,7 +24,7 @@ class ConfigError(ValueError):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str = "nomic-embed-text-v1.5"  # a known model name or a path to a GGUF file
     dir: str | None = None  # where pulled models live (default: XDG cache)
-    threads: int | None = None  # llama.cpp threads (default: all cores)
+    threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
     task_prefixes: Literal["auto", "on", "off"] = "auto"  # auto: the model's measured default
     pull: bool = True  # provision a known model on first use
 
@@ -87,11 +88,53 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("server.token is empty: unset it or give a secret")
 
 
+class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The recommender and the metrics it learns from (`sidecar recommend`, `sidecar metrics`)."""
+
+    mode: Literal["semantic", "lexical", "hybrid"] = "hybrid"
+    top: int = 5
+    weights: Weights = msgspec.field(default_factory=Weights)  # relevance, success, popularity, performance, rating
+    variants: dict[str, Weights] = {}  # A/B arms, assigned by sha256(agent id); empty: everyone gets `weights`
+    priors: Priors = msgspec.field(default_factory=Priors)  # history factors until a tool has min_calls
+    min_calls: int = 3
+    intent: IntentRules = msgspec.field(default_factory=IntentRules)
+    semantic_share: float = 0.7  # hybrid relevance = share x semantic + (1 - share) x BM25
+    candidates: int = 20  # per retriever: vector, BM25, inverted indexes
+    cache_ttl_s: float = 60.0  # 0: no cache
+    metrics_retention_days: int = 7  # raw call log; older calls live on as daily totals
+    failing_threshold: float = 0.5  # success rate under which `metrics --failing` lists a tool
+    max_fallbacks: int = 3
+    same_server_boost: float = 1.25  # fallbacks on the failed tool's own server
+    availability_window_s: float = 300.0  # a server is unavailable when its recent calls mostly fail
+    availability_min_calls: int = 5
+    availability_failure_rate: float = 0.8
+    rate_limit_calls: int | None = None  # per agent and tool within rate_limit_window_s; None: no limit
+    rate_limit_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top <= 100:
+            raise ValueError(f"recommend.top={self.top} must be within 1..100")
+        for key in ("min_calls", "candidates", "metrics_retention_days", "max_fallbacks", "availability_min_calls"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"recommend.{key}={getattr(self, key)} must be at least 1")
+        for key in ("semantic_share", "failing_threshold", "availability_failure_rate"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"recommend.{key}={getattr(self, key)} must be within 0..1")
+        for key in ("cache_ttl_s", "availability_window_s", "rate_limit_window_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"recommend.{key}={getattr(self, key)} must not be negative")
+        if self.same_server_boost < 1.0:
+            raise ValueError(f"recommend.same_server_boost={self.same_server_boost} must be at least 1")
+        if self.rate_limit_calls is not None and self.rate_limit_calls < 1:
+            raise ValueError(f"recommend.rate_limit_calls={self.rate_limit_calls} must be at least 1 (or unset)")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    recommend: RecommendConfig = msgspec.field(default_factory=RecommendConfig)
     catalogs: list[str] = []
     store: str | None = None  # SQLite file (default: XDG data dir)
     calibration: str | None = None  # file written by `sidecar tune`

@@ -1,0 +1,475 @@
+"""Per-tool call history and recommendation feedback, kept in the sidecar's SQLite store.
+
+Three layers: `tool_metrics` holds lifetime totals per (server, tool), updated in the same
+transaction as each raw call row, so the recommender reads one small table; `tool_calls` is
+the raw log, kept `retention_days` for windowed questions (which agent, how recently, is
+this server failing right now); `tool_metrics_daily` is what the raw log becomes after that.
+Windowed queries read raw and daily together, so a roll-up never changes an answer.
+
+`record_call` returns only after its transaction committed: the server may acknowledge a
+`tool_result` as soon as it returns, and a kill -9 afterwards loses nothing (WAL keeps
+committed transactions across a process crash).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+
+import msgspec
+import orjson
+
+from .catalog import SEP, Catalog
+from .store import Store
+
+DAY_S = 86400.0
+MAX_ERROR_CHARS = 500
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tool_metrics (
+    id             INTEGER PRIMARY KEY AUTOINCREMENT,
+    server         TEXT NOT NULL,          -- '' when the tool has no server
+    tool           TEXT NOT NULL,          -- the server's own name for the tool
+    call_count     INTEGER NOT NULL DEFAULT 0,
+    success_count  INTEGER NOT NULL DEFAULT 0,
+    failure_count  INTEGER NOT NULL DEFAULT 0,
+    avg_latency_ms REAL,                   -- over the calls that reported a latency
+    latency_count  INTEGER NOT NULL DEFAULT 0,
+    last_called_at REAL,                   -- unix seconds
+    last_success_at REAL,
+    last_error     TEXT,
+    created_at     REAL NOT NULL,
+    updated_at     REAL NOT NULL,
+    UNIQUE (server, tool)
+);
+CREATE TABLE IF NOT EXISTS tool_calls (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    call_id    TEXT UNIQUE,                -- the client's id: a resent result is counted once
+    ts         REAL NOT NULL,
+    server     TEXT NOT NULL,
+    tool       TEXT NOT NULL,
+    agent      TEXT,
+    success    INTEGER NOT NULL,
+    latency_ms REAL,
+    error      TEXT
+);
+CREATE INDEX IF NOT EXISTS tool_calls_ts ON tool_calls (ts);
+CREATE INDEX IF NOT EXISTS tool_calls_tool ON tool_calls (server, tool, ts);
+CREATE INDEX IF NOT EXISTS tool_calls_agent ON tool_calls (agent, ts);
+CREATE TABLE IF NOT EXISTS tool_metrics_daily (
+    day            TEXT NOT NULL,          -- UTC, YYYY-MM-DD
+    server         TEXT NOT NULL,
+    tool           TEXT NOT NULL,
+    agent          TEXT NOT NULL DEFAULT '',
+    call_count     INTEGER NOT NULL,
+    success_count  INTEGER NOT NULL,
+    failure_count  INTEGER NOT NULL,
+    latency_sum_ms REAL NOT NULL DEFAULT 0,
+    latency_count  INTEGER NOT NULL DEFAULT 0,
+    last_called_at REAL,
+    last_success_at REAL,
+    last_error     TEXT,
+    PRIMARY KEY (day, server, tool, agent)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS feedback (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts          REAL NOT NULL,
+    query       TEXT NOT NULL,
+    recommended TEXT NOT NULL,             -- JSON list of tool names, best first
+    selected    TEXT,
+    rating      REAL,                      -- 0..5
+    success     INTEGER,
+    latency_ms  REAL,
+    agent       TEXT,
+    variant     TEXT
+);
+CREATE INDEX IF NOT EXISTS feedback_variant ON feedback (variant, ts);
+CREATE TABLE IF NOT EXISTS metrics_state (
+    key   TEXT PRIMARY KEY,                -- generation: bumped on every change; last_rollup
+    value REAL NOT NULL
+);
+INSERT OR IGNORE INTO metrics_state VALUES ('generation', 0), ('last_rollup', 0);
+"""
+
+
+class Summary(msgspec.Struct):
+    """One tool's row as `sidecar metrics --json` prints it."""
+
+    server: str
+    tool: str
+    call_count: int
+    success_count: int
+    failure_count: int
+    avg_latency_ms: float | None
+    last_error: str | None
+
+
+class ToolMetrics(msgspec.Struct):
+    server: str
+    tool: str
+    call_count: int = 0
+    success_count: int = 0
+    failure_count: int = 0
+    avg_latency_ms: float | None = None
+    last_error: str | None = None
+    last_called_at: float | None = None
+    last_success_at: float | None = None
+
+    @property
+    def success_rate(self) -> float:
+        return self.success_count / self.call_count if self.call_count else math.nan
+
+    def summary(self) -> Summary:
+        lat = None if self.avg_latency_ms is None else round(self.avg_latency_ms, 3)
+        return Summary(self.server, self.tool, self.call_count, self.success_count, self.failure_count, lat, self.last_error)
+
+
+class Listing(msgspec.Struct):
+    tools: list[Summary]
+
+
+class Feedback(msgspec.Struct, frozen=True):
+    """What happened after a recommendation: which tool was used, how it went, how it was rated."""
+
+    query: str
+    recommended: list[str]
+    selected: str | None = None
+    rating: float | None = None
+    success: bool | None = None
+    latency_ms: float | None = None
+    agent: str | None = None
+    variant: str | None = None
+    ts: float | None = None
+    id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rating is not None and not 0.0 <= self.rating <= 5.0:
+            raise ValueError(f"rating={self.rating} must be within 0..5")
+
+
+class RollupStats(msgspec.Struct):
+    rows: int  # raw rows folded into tool_metrics_daily (and deleted)
+    groups: int
+    cutoff: float
+
+
+class CallCount(msgspec.Struct, frozen=True):
+    calls: int
+    successes: int
+
+
+def key_of(catalog: Catalog | None, name: str) -> tuple[str, str]:
+    """(server, tool) for a tool name as a client calls it: the catalog's entry when known,
+    else split at the server__tool separator."""
+    tool = catalog.get(name) if catalog is not None else None
+    if tool is not None:
+        return tool.server or "", tool.bare_name
+    if SEP in name:
+        server, _, bare = name.partition(SEP)
+        return server, bare
+    return "", name
+
+
+def day_of(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d")
+
+
+def _day_start(day: str) -> float:
+    return datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc).timestamp()
+
+
+class MetricsStore:
+    def __init__(self, store: Store, retention_days: int = 7, clock=time.time):
+        if retention_days < 1:
+            raise ValueError(f"metrics_retention_days={retention_days} must be at least 1")
+        self.store = store
+        self.retention_days = retention_days
+        self.clock = clock
+        store.ensure_schema(SCHEMA)
+
+    # --- writes: each one transaction, committed before returning -----------------------
+
+    def record_call(
+        self,
+        server: str,
+        tool: str,
+        success: bool,
+        latency_ms: float | None = None,
+        error: str | None = None,
+        *,
+        agent: str | None = None,
+        call_id: str | None = None,
+        ts: float | None = None,
+    ) -> int:
+        """Log one tool call and fold it into the tool's totals; returns the raw row's id once
+        committed. A `call_id` seen before returns the first row's id and counts nothing."""
+        ts = self.clock() if ts is None else ts
+        if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
+            latency_ms = None
+        err = error[:MAX_ERROR_CHARS] if error else None
+        ok = 1 if success else 0
+        with self.store.transaction() as db:
+            if call_id is not None:
+                row = db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()
+                if row:
+                    return int(row[0])
+            cur = db.execute(
+                "INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error) VALUES (?,?,?,?,?,?,?,?)",
+                (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err),
+            )
+            db.execute(
+                """INSERT INTO tool_metrics (server, tool, call_count, success_count, failure_count, avg_latency_ms,
+                       latency_count, last_called_at, last_success_at, last_error, created_at, updated_at)
+                   VALUES (?,?,1,?,?,?,?,?,?,?,?,?)
+                   ON CONFLICT (server, tool) DO UPDATE SET
+                       call_count = call_count + 1,
+                       success_count = success_count + excluded.success_count,
+                       failure_count = failure_count + excluded.failure_count,
+                       avg_latency_ms = CASE WHEN excluded.latency_count = 0 THEN avg_latency_ms
+                           ELSE (coalesce(avg_latency_ms, 0) * latency_count + excluded.avg_latency_ms) / (latency_count + 1) END,
+                       latency_count = latency_count + excluded.latency_count,
+                       last_called_at = max(coalesce(last_called_at, excluded.last_called_at), excluded.last_called_at),
+                       last_success_at = CASE WHEN excluded.last_success_at IS NULL THEN last_success_at
+                           ELSE max(coalesce(last_success_at, excluded.last_success_at), excluded.last_success_at) END,
+                       last_error = coalesce(excluded.last_error, last_error),
+                       updated_at = excluded.updated_at""",
+                (server, tool, ok, 1 - ok, latency_ms, 0 if latency_ms is None else 1, ts, ts if success else None,
+                 None if success else err, ts, ts),
+            )
+            db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
+            return int(cur.lastrowid)
+
+    def record_feedback(self, fb: Feedback) -> int:
+        ts = self.clock() if fb.ts is None else fb.ts
+        with self.store.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?)",
+                (ts, fb.query, orjson.dumps(list(fb.recommended)).decode(), fb.selected, fb.rating,
+                 None if fb.success is None else int(fb.success), fb.latency_ms, fb.agent, fb.variant),
+            )
+            if fb.rating is not None:
+                db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
+            return int(cur.lastrowid)
+
+    def reset(self, server: str | None = None, tool: str | None = None) -> int:
+        """Forget the call history of the matching tools (all when neither is given); returns
+        how many tools had totals. Feedback is kept: it is the learning record."""
+        where, params = _match(server, tool)
+        with self.store.transaction() as db:
+            n = db.execute(f"DELETE FROM tool_metrics{where}", params).rowcount
+            db.execute(f"DELETE FROM tool_calls{where}", params)
+            db.execute(f"DELETE FROM tool_metrics_daily{where}", params)
+            db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
+        return n
+
+    def rollup(self, now: float | None = None) -> RollupStats:
+        """Fold raw calls older than the retention into per-day rows and delete them. Adds to
+        existing day rows, so a day rolled up in two runs sums correctly."""
+        now = self.clock() if now is None else now
+        cutoff = now - self.retention_days * DAY_S
+        rows = self.store.query(
+            """SELECT server, tool, coalesce(agent, ''), ts, success, latency_ms, error
+               FROM tool_calls WHERE ts < ? ORDER BY ts""",
+            (cutoff,),
+        )
+        groups: dict[tuple[str, str, str, str], list] = {}
+        for server, tool, agent, ts, success, lat, error in rows:
+            g = groups.setdefault((day_of(ts), server, tool, agent), [0, 0, 0, 0.0, 0, None, None, None])
+            g[0] += 1
+            g[1] += success
+            g[2] += 1 - success
+            if lat is not None:
+                g[3] += lat
+                g[4] += 1
+            g[5] = ts
+            if success:
+                g[6] = ts
+            elif error:
+                g[7] = error
+        with self.store.transaction() as db:
+            db.executemany(
+                """INSERT INTO tool_metrics_daily VALUES (?,?,?,?,?,?,?,?,?,?,?,?)
+                   ON CONFLICT (day, server, tool, agent) DO UPDATE SET
+                       call_count = call_count + excluded.call_count,
+                       success_count = success_count + excluded.success_count,
+                       failure_count = failure_count + excluded.failure_count,
+                       latency_sum_ms = latency_sum_ms + excluded.latency_sum_ms,
+                       latency_count = latency_count + excluded.latency_count,
+                       last_called_at = max(coalesce(last_called_at, 0), excluded.last_called_at),
+                       last_success_at = coalesce(max(last_success_at, excluded.last_success_at), last_success_at, excluded.last_success_at),
+                       last_error = coalesce(excluded.last_error, last_error)""",
+                [(*k, *v) for k, v in groups.items()],
+            )
+            deleted = db.execute("DELETE FROM tool_calls WHERE ts < ?", (cutoff,)).rowcount
+            db.execute("UPDATE metrics_state SET value = ? WHERE key='last_rollup'", (now,))
+        return RollupStats(rows=deleted, groups=len(groups), cutoff=cutoff)
+
+    def rollup_if_due(self, now: float | None = None, every_s: float = DAY_S) -> RollupStats | None:
+        """What the server calls at start and on a timer: a roll-up at most once per `every_s`."""
+        now = self.clock() if now is None else now
+        last = self.store.query("SELECT value FROM metrics_state WHERE key='last_rollup'")[0][0]
+        if now - last < every_s:
+            return None
+        return self.rollup(now)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def generation(self) -> int:
+        """Changes whenever a call, a rating or a reset changes what the recommender reads."""
+        return int(self.store.query("SELECT value FROM metrics_state WHERE key='generation'")[0][0])
+
+    def all(self, days: float | None = None) -> list[ToolMetrics]:
+        return self._select(None, None, days)
+
+    def tool(self, server: str, tool: str, days: float | None = None) -> ToolMetrics | None:
+        found = self._select(server, tool, days)
+        return found[0] if found else None
+
+    def server(self, server: str, days: float | None = None) -> list[ToolMetrics]:
+        return self._select(server, None, days)
+
+    def top(self, limit: int = 10, min_calls: int = 1, days: float | None = None) -> list[ToolMetrics]:
+        """The most reliable tools: highest success rate, then most calls."""
+        rows = [m for m in self._select(None, None, days) if m.call_count >= min_calls]
+        rows.sort(key=lambda m: (-m.success_rate, -m.call_count, m.server, m.tool))
+        return rows[:limit]
+
+    def failing(self, threshold: float = 0.5, min_calls: int = 3, days: float | None = None) -> list[ToolMetrics]:
+        """Tools whose success rate is under `threshold` over at least `min_calls` calls, worst first."""
+        rows = [m for m in self._select(None, None, days) if m.call_count >= min_calls and m.success_rate < threshold]
+        rows.sort(key=lambda m: (m.success_rate, -m.call_count, m.server, m.tool))
+        return rows
+
+    def listing(self, server: str | None = None, tool: str | None = None, failing: bool = False,
+                threshold: float = 0.5, min_calls: int = 3) -> Listing:  # fmt: skip
+        """What `sidecar metrics` shows. `tool` may be server__tool."""
+        if tool and SEP in tool and server is None:
+            server, tool = key_of(None, tool)
+        rows = self._select(server, tool, None) if (server or tool) else self.all()
+        if failing:
+            rows = [m for m in rows if m.call_count >= min_calls and m.success_rate < threshold]
+        return Listing([m.summary() for m in rows])
+
+    def per_agent(self, agent: str, days: float | None = None) -> dict[tuple[str, str], CallCount]:
+        """One agent's calls and successes per (server, tool), from the raw log and the daily
+        roll-ups together."""
+        raw_where, raw_params, daily_where, daily_params = self._window(days)
+        out: dict[tuple[str, str], CallCount] = {}
+        rows = self.store.query(
+            f"""SELECT server, tool, sum(c), sum(s) FROM (
+                    SELECT server, tool, count(*) AS c, sum(success) AS s FROM tool_calls
+                        WHERE agent=?{raw_where.replace('WHERE', 'AND')} GROUP BY server, tool
+                    UNION ALL
+                    SELECT server, tool, sum(call_count), sum(success_count) FROM tool_metrics_daily
+                        WHERE agent=?{daily_where.replace('WHERE', 'AND')} GROUP BY server, tool)
+                GROUP BY server, tool""",
+            (agent, *raw_params, agent, *daily_params),
+        )
+        for server, tool, c, s in rows:
+            out[(server, tool)] = CallCount(int(c), int(s))
+        return out
+
+    def recent(self, window_s: float, agent: str | None = None, now: float | None = None) -> dict[tuple[str, str], CallCount]:
+        """Calls in the last `window_s` seconds per (server, tool), optionally one agent's:
+        what availability and rate limits look at (always inside the raw log's retention)."""
+        since = (self.clock() if now is None else now) - window_s
+        sql = "SELECT server, tool, count(*), sum(success) FROM tool_calls WHERE ts >= ?"
+        params: list = [since]
+        if agent is not None:
+            sql += " AND agent = ?"
+            params.append(agent)
+        rows = self.store.query(sql + " GROUP BY server, tool", params)
+        return {(s, t): CallCount(int(c), int(k)) for s, t, c, k in rows}
+
+    def ratings(self) -> dict[str, tuple[int, float]]:
+        """(number of ratings, average rating) per selected tool name."""
+        rows = self.store.query("SELECT selected, count(*), avg(rating) FROM feedback WHERE rating IS NOT NULL AND selected IS NOT NULL GROUP BY selected")
+        return {name: (int(n), float(avg)) for name, n, avg in rows}
+
+    def feedback(self, variant: str | None = None, agent: str | None = None) -> list[Feedback]:
+        sql = "SELECT id, ts, query, recommended, selected, rating, success, latency_ms, agent, variant FROM feedback"
+        where, params = [], []
+        if variant is not None:
+            where.append("variant = ?")
+            params.append(variant)
+        if agent is not None:
+            where.append("agent = ?")
+            params.append(agent)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        out = []
+        for fid, ts, q, rec, sel, rating, success, lat, ag, var in self.store.query(sql + " ORDER BY id", params):
+            out.append(Feedback(q, orjson.loads(rec), sel, rating, None if success is None else bool(success), lat, ag, var, ts, fid))
+        return out
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _window(self, days: float | None) -> tuple[str, list, str, list]:
+        if days is None:
+            return "", [], "", []
+        since = self.clock() - days * DAY_S
+        return " WHERE ts >= ?", [since], " WHERE day >= ?", [day_of(since)]
+
+    def _select(self, server: str | None, tool: str | None, days: float | None) -> list[ToolMetrics]:
+        """Lifetime totals from tool_metrics, or with `days`, the window summed over the raw
+        log and the daily roll-ups."""
+        where, params = _match(server, tool)
+        if days is None:
+            rows = self.store.query(
+                f"""SELECT server, tool, call_count, success_count, failure_count, avg_latency_ms, last_error,
+                           last_called_at, last_success_at FROM tool_metrics{where} ORDER BY server, tool""",
+                params,
+            )
+            return [ToolMetrics(*r) for r in rows]
+        since = self.clock() - days * DAY_S
+        and_match = where.replace(" WHERE", " AND")
+        raw = self.store.query(
+            f"""SELECT server, tool, count(*), sum(success), sum(coalesce(latency_ms, 0)), count(latency_ms), max(ts),
+                       max(CASE WHEN success THEN ts END),
+                       (SELECT error FROM tool_calls e WHERE e.server = c.server AND e.tool = c.tool AND e.error IS NOT NULL
+                        ORDER BY e.ts DESC LIMIT 1)
+                FROM tool_calls c WHERE ts >= ?{and_match} GROUP BY server, tool""",
+            (since, *params),
+        )
+        daily = self.store.query(
+            f"""SELECT server, tool, sum(call_count), sum(success_count), sum(latency_sum_ms), sum(latency_count),
+                       max(last_called_at), max(last_success_at),
+                       (SELECT last_error FROM tool_metrics_daily e WHERE e.server = d.server AND e.tool = d.tool
+                        AND e.last_error IS NOT NULL ORDER BY e.day DESC LIMIT 1)
+                FROM tool_metrics_daily d WHERE day >= ?{and_match} GROUP BY server, tool""",
+            (day_of(since), *params),
+        )
+        return _merge(daily, raw)
+
+
+def _match(server: str | None, tool: str | None) -> tuple[str, list]:
+    clauses, params = [], []
+    if server is not None:
+        clauses.append("server = ?")
+        params.append(server)
+    if tool is not None:
+        clauses.append("tool = ?")
+        params.append(tool)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def _merge(*sources: Iterable[Sequence]) -> list[ToolMetrics]:
+    """Sum (server, tool, calls, successes, latency sum, latency n, last, last ok, error) rows;
+    later sources' errors win (the raw log is newer than the roll-ups)."""
+    acc: dict[tuple[str, str], list] = {}
+    for rows in sources:
+        for server, tool, c, s, lsum, ln, last, last_ok, err in rows:
+            a = acc.setdefault((server, tool), [0, 0, 0.0, 0, None, None, None])
+            a[0] += int(c)
+            a[1] += int(s or 0)
+            a[2] += float(lsum or 0)
+            a[3] += int(ln or 0)
+            a[4] = max(filter(None, (a[4], last)), default=None)
+            a[5] = max(filter(None, (a[5], last_ok)), default=None)
+            a[6] = err or a[6]
+    out = []
+    for (server, tool), (c, s, lsum, ln, last, last_ok, err) in sorted(acc.items()):
+        out.append(ToolMetrics(server, tool, c, s, c - s, lsum / ln if ln else None, err, last, last_ok))
+    return out

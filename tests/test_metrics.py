@@ -1,0 +1,181 @@
+"""The metrics store on a real SQLite file: totals, raw log, daily roll-up, queries, feedback,
+and durability of acknowledged records across a kill -9 of a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sidecar.metrics import DAY_S, Feedback, MetricsStore, day_of
+from sidecar.store import Store
+from tests.conftest import ROOT
+
+T0 = 1_750_000_000.0  # a fixed "now" (2025-06-15 UTC)
+
+
+class Clock:
+    def __init__(self, t: float = T0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def ms(tmp_path, clock):
+    return MetricsStore(Store(tmp_path / "m.db"), retention_days=7, clock=clock)
+
+
+def test_totals_per_tool(ms):
+    ms.record_call("fs", "write_file", True, 100.0)
+    ms.record_call("fs", "write_file", True, 300.0)
+    ms.record_call("fs", "write_file", False, None, "disk full")
+    m = ms.tool("fs", "write_file")
+    assert (m.call_count, m.success_count, m.failure_count) == (3, 2, 1)
+    assert m.avg_latency_ms == pytest.approx(200.0)  # the call without a latency does not count
+    assert m.last_error == "disk full"
+    assert m.success_rate == pytest.approx(2 / 3)
+    assert ms.tool("fs", "read_file") is None
+
+
+def test_a_resent_call_id_counts_once(ms):
+    a = ms.record_call("fs", "read_file", True, 5.0, call_id="c1")
+    b = ms.record_call("fs", "read_file", True, 5.0, call_id="c1")
+    assert a == b
+    assert ms.tool("fs", "read_file").call_count == 1
+
+
+def test_server_top_and_failing(ms):
+    for _ in range(4):
+        ms.record_call("fs", "read_file", True, 10.0)
+        ms.record_call("fs", "write_file", False, 10.0, "EACCES")
+        ms.record_call("web", "fetch", True, 50.0)
+    ms.record_call("web", "fetch", False, 50.0, "timeout")
+    ms.record_call("web", "rare", False, 1.0, "boom")  # one call: too few to call it failing
+    assert [m.tool for m in ms.server("fs")] == ["read_file", "write_file"]
+    assert [(m.server, m.tool) for m in ms.top(limit=2, min_calls=3)] == [("fs", "read_file"), ("web", "fetch")]
+    assert [m.tool for m in ms.failing(threshold=0.5)] == ["write_file"]
+    assert [m.tool for m in ms.failing(threshold=0.9, min_calls=1)] == ["write_file", "rare", "fetch"]
+    listing = ms.listing(failing=True)
+    assert [t.tool for t in listing.tools] == ["write_file"]
+    assert ms.listing(tool="fs__read_file").tools[0].call_count == 4
+
+
+def test_reset_forgets_history_but_keeps_feedback(ms):
+    ms.record_call("fs", "read_file", True)
+    ms.record_call("web", "fetch", True)
+    ms.record_feedback(Feedback("read it", ["fs__read_file"], "fs__read_file", 5.0))
+    gen = ms.generation()
+    assert ms.reset(server="fs") == 1
+    assert ms.tool("fs", "read_file") is None and ms.tool("web", "fetch") is not None
+    assert ms.generation() > gen
+    assert ms.reset() == 1
+    assert ms.all() == [] and len(ms.feedback()) == 1
+
+
+def test_rollup_keeps_answers_and_respects_retention(ms, clock):
+    old = T0 - 10 * DAY_S
+    ms.record_call("fs", "read_file", True, 10.0, ts=old, agent="a")
+    ms.record_call("fs", "read_file", False, 30.0, "EIO", ts=old + 60, agent="a")
+    ms.record_call("fs", "read_file", True, 20.0, ts=T0 - 3600, agent="a")
+    before = ms.all(days=30)
+    stats = ms.rollup()
+    assert stats.rows == 2 and stats.groups == 1
+    assert ms.store.query("SELECT count(*) FROM tool_calls")[0][0] == 1  # inside retention: kept raw
+    daily = ms.store.query("SELECT day, call_count, success_count, latency_sum_ms FROM tool_metrics_daily")
+    assert daily == [(day_of(old), 2, 1, 40.0)]
+    after = ms.all(days=30)
+    assert [(m.call_count, m.success_count) for m in after] == [(m.call_count, m.success_count) for m in before] == [(3, 2)]
+    assert after[0].avg_latency_ms == pytest.approx(20.0)
+    assert after[0].last_error == "EIO"
+    assert ms.per_agent("a")[("fs", "read_file")].calls == 3  # raw + daily together
+    assert ms.all(days=1)[0].call_count == 1  # a window that excludes the rolled-up day
+    # a second run has nothing left to fold; due only once a day
+    assert ms.rollup().rows == 0
+    assert ms.rollup_if_due() is None
+    clock.t += DAY_S + 1
+    assert ms.rollup_if_due() is not None
+
+
+def test_rollup_adds_to_an_existing_day(ms, clock):
+    day_start = T0 - 20 * DAY_S
+    ms.record_call("fs", "x", True, ts=day_start)
+    ms.rollup()
+    ms.record_call("fs", "x", False, ts=day_start + 10)  # a late-arriving call for that day
+    ms.rollup()
+    assert ms.store.query("SELECT call_count, success_count, failure_count FROM tool_metrics_daily") == [(2, 1, 1)]
+
+
+def test_recent_counts_window_and_agent(ms, clock):
+    ms.record_call("fs", "read_file", True, ts=T0 - 30, agent="a")
+    ms.record_call("fs", "read_file", False, ts=T0 - 30, agent="b")
+    ms.record_call("fs", "read_file", True, ts=T0 - 600, agent="a")
+    assert ms.recent(60)[("fs", "read_file")].calls == 2
+    assert ms.recent(60, agent="a")[("fs", "read_file")].successes == 1
+    assert ms.recent(3600, agent="a")[("fs", "read_file")].calls == 2
+
+
+def test_feedback_round_trip_and_ratings(ms):
+    ms.record_feedback(Feedback("save it", ["fs__write_file", "fs__edit_file"], "fs__edit_file", 4.0, True, 12.5, "agent-1", "A"))
+    ms.record_feedback(Feedback("save it", ["fs__write_file"], "fs__write_file", 2.0, False, None, "agent-2", "B"))
+    rows = ms.feedback(variant="A")
+    assert len(rows) == 1
+    fb = rows[0]
+    assert fb.recommended == ["fs__write_file", "fs__edit_file"]
+    assert (fb.selected, fb.rating, fb.success, fb.latency_ms, fb.agent, fb.variant) == ("fs__edit_file", 4.0, True, 12.5, "agent-1", "A")
+    assert fb.ts == T0 and fb.id is not None
+    assert ms.ratings() == {"fs__edit_file": (1, 4.0), "fs__write_file": (1, 2.0)}
+    with pytest.raises(ValueError):
+        Feedback("q", [], rating=6.0)
+
+
+def test_retention_must_be_positive(tmp_path):
+    with pytest.raises(ValueError):
+        MetricsStore(Store(tmp_path / "x.db"), retention_days=0)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from sidecar.metrics import MetricsStore
+    from sidecar.store import Store
+    ms = MetricsStore(Store(sys.argv[1]))
+    i = 0
+    while True:
+        rid = ms.record_call("fs", "write_file", i % 3 != 0, 1.0 + i, None if i % 3 else "err", call_id=f"call-{i}")
+        print(rid, flush=True)  # acknowledged: record_call returned, so the row is committed
+        i += 1
+    """
+)
+
+
+def test_acknowledged_calls_survive_kill_9(tmp_path):
+    db = tmp_path / "durable.db"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, cwd=ROOT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    acked = []
+    try:
+        while len(acked) < 200:
+            line = proc.stdout.readline()
+            assert line, "writer died before acknowledging 200 calls"
+            acked.append(int(line))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ms = MetricsStore(Store(db))
+    ids = {r[0] for r in ms.store.query("SELECT id FROM tool_calls")}
+    assert set(acked) <= ids
+    m = ms.tool("fs", "write_file")
+    assert m.call_count >= len(acked) and m.call_count == len(ids)  # totals moved in the same transactions
+    assert m.success_count + m.failure_count == m.call_count
