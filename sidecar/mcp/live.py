@@ -1,0 +1,122 @@
+"""The bridge from live tool lists to the pipeline's index.
+
+`LiveCatalog` listens to a `ConnectionManager`; whenever a server's tool list changes (its
+first listing included) it rebuilds the merged `Catalog` (tools named `server__tool`) and
+calls `Pipeline.reindex`, which embeds only tools whose content hash changed, and logs the
+added / updated / removed / unchanged counts. Reindexing runs off the event loop, on the
+executor given (the server's model thread, so embeddings never race), else the loop's
+default one. `call("server__tool", arguments)` dispatches through the manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import msgspec
+
+from ..catalog import SEP, Catalog, CatalogError, Tool, parse_tools
+from ..index import IndexStats
+from .connections import ConnectionManager
+from .state import ToolDiff
+
+log = logging.getLogger("sidecar.mcp")
+
+
+def build_catalog(listings: Mapping[str, Sequence[Mapping[str, Any]]], base: Catalog | None = None) -> Catalog:
+    """`base`'s tools, then every server's live tools named server__tool. A tool the
+    catalog cannot take (no name, ill-typed fields) is skipped with a warning; a live tool
+    replaces a base tool of the same name."""
+    tools: dict[str, Tool] = {t.name: t for t in base} if base is not None else {}
+    for server, defs in listings.items():
+        for raw in defs:
+            try:
+                _, parsed = parse_tools({"tools": [dict(raw)]}, f"MCP server {server!r}")
+            except CatalogError as e:
+                log.warning("skipping a tool: %s", e)
+                continue
+            tool = parsed[0]
+            name = f"{server}{SEP}{tool.name}"
+            tools[name] = msgspec.structs.replace(tool, name=name, server=server)
+    sources = [*(base.sources if base is not None else ()), *(f"mcp:{s}" for s in listings)]
+    return Catalog(tools.values(), sources)
+
+
+def _signature(catalog: Catalog) -> tuple[tuple[str, str], ...]:
+    return tuple((t.name, t.content_hash) for t in catalog)
+
+
+class LiveCatalog:
+    """Keeps `pipeline`'s index in step with the servers' live tool lists."""
+
+    def __init__(self, manager: ConnectionManager, pipeline: Any, *, base: Catalog | None = None, executor: Executor | None = None):
+        self.manager, self.pipeline, self.base, self.executor = manager, pipeline, base, executor
+        self.history: list[IndexStats] = []  # one per reindex that ran
+        self._synced = _signature(pipeline.catalog)
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._dirty = False
+        self._unsubscribe = manager.on_tools_changed(self._changed)
+
+    def catalog(self) -> Catalog:
+        """The merged catalog as the servers list their tools now."""
+        return build_catalog(self.manager.listings(), self.base)
+
+    async def sync(self) -> IndexStats | None:
+        """Reindex if the live catalog differs from the indexed one; returns the index's
+        stats (None when nothing changed)."""
+        async with self._lock:
+            catalog = self.catalog()
+            signature = _signature(catalog)
+            if signature == self._synced:
+                return None
+            loop = asyncio.get_running_loop()
+            built = await loop.run_in_executor(self.executor, self.pipeline.reindex, catalog)
+            self._synced = signature
+            stats = [ix.stats for ix in built.values() if ix.stats is not None]
+            if not stats:
+                return None
+            s = msgspec.structs.replace(
+                stats[0], embedded=sum(x.embedded for x in stats), cached=sum(x.cached for x in stats),
+                seconds=sum(x.seconds for x in stats),
+            )  # fmt: skip
+            self.history.append(s)
+            servers = len(self.manager.listings())
+            log.info("live catalog: %d tools from %d server(s): %d added, %d updated, %d removed, %d unchanged; "
+                     "embedded %d texts (%d cached) in %.2f s", s.tools, servers, s.added, s.updated, s.removed,
+                     s.unchanged, s.embedded, s.cached, s.seconds)  # fmt: skip
+            return s
+
+    async def settled(self) -> None:
+        """Wait until changes announced so far are indexed."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def call(self, name: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None):
+        """Call a catalog tool by its server__tool name through the connection manager."""
+        tool = self.pipeline.catalog.get(name)
+        if tool is None or tool.server is None or tool.server not in self.manager.names:
+            raise ValueError(f"{name!r} is not a tool of a live MCP server")
+        return await self.manager.call(tool.server, tool.bare_name, arguments, timeout=timeout)
+
+    def close(self) -> None:
+        self._unsubscribe()
+        if self._task is not None:
+            self._task.cancel()
+
+    def _changed(self, server: str, change: ToolDiff) -> None:
+        # Listeners must not hold up the listing: reindex in a task, coalescing bursts.
+        self._dirty = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while self._dirty:
+            self._dirty = False
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("live catalog: reindexing failed; the previous index stays in use")
