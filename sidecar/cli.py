@@ -65,6 +65,79 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recommend(args: argparse.Namespace) -> int:
+    from . import pipeline
+    from .metrics import MetricsStore
+    from .recommend import Context, Recommender
+
+    query = " ".join(args.query) if args.query else sys.stdin.read()
+    if not query.strip():
+        raise ValueError("no query: pass QUERY or pipe it on stdin")
+    cfg = _config(args)
+    pipe = pipeline.from_config(cfg, progress=not args.json)
+    metrics = MetricsStore(pipe.store, cfg.recommend.metrics_retention_days)
+    rec = Recommender(pipe, metrics, cfg.recommend).recommend(query, Context(agent=args.agent), args.top, args.mode)
+    if args.json:
+        out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
+        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+        return 0
+    print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
+    for i, r in enumerate(rec.results, 1):
+        print(f"{i:>2}. {r.tool}  {r.score:.3f}\n    {r.why}")
+    for name, reason in list(rec.excluded.items())[:5]:
+        print(f"    (left out {name}: {reason})")
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from .metrics import MetricsStore
+    from .store import Store, default_path
+
+    cfg = config_mod.load(args.config, overrides={("store",): args.store})
+    path = cfg.store or default_path()
+    store = Store(path)
+    listing = MetricsStore(store, cfg.recommend.metrics_retention_days).listing(
+        server=args.server, tool=args.tool, failing=args.failing, threshold=cfg.recommend.failing_threshold)
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(listing) + b"\n")
+        return 0
+    if not listing.tools:
+        print(f"no tool calls on record in {path}" + (" match" if args.tool or args.server or args.failing else ""))
+        return 0
+    print(f"{'tool':<40} {'calls':>6} {'ok':>6} {'failed':>6} {'avg ms':>8}  last error")
+    for t in listing.tools:
+        name = f"{t.server}__{t.tool}" if t.server else t.tool
+        lat = "-" if t.avg_latency_ms is None else f"{t.avg_latency_ms:.0f}"
+        print(f"{name:<40} {t.call_count:>6} {t.success_count:>6} {t.failure_count:>6} {lat:>8}  {(t.last_error or '')[:60]}")
+    return 0
+
+
+def cmd_servers(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from .mcp import config as mcp_config
+    from .mcp.connections import ConnectionManager
+
+    cfg = mcp_config.load(args.mcp_config)
+    logging.basicConfig(level=logging.ERROR, format="sidecar: %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> list:
+        async with ConnectionManager(cfg) as manager:  # starts preconnect_servers
+            await (manager.connect_all() if args.connect else manager.preconnected())
+            return manager.status()
+
+    status = asyncio.run(run())
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode({"servers": status}) + b"\n")
+        return 0
+    print(f"{'server':<24} {'state':<11} {'tools':>5}  {'connected at':<21} {'tools changed at':<21} last error")
+    for s in status:
+        tools = "-" if s.tools is None else str(s.tools)
+        print(f"{s.name:<24} {s.state:<11} {tools:>5}  {s.connected_at or '-':<21} {s.tools_changed_at or '-':<21} {s.last_error or ''}")
+    return 0
+
+
 def describe(d: Decision) -> str:
     """A short human answer: what fired (or why nothing did), the runners-up, the time."""
     t = d.timing_ms
@@ -136,6 +209,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from . import pipeline, replay
+
+    pipe = pipeline.from_config(_config(args), progress=not args.json)
+    conversations = replay.read_transcripts(args.transcripts, pipe.catalog)
+    total = sum(m.role != "tool" for c in conversations for m in c.messages)
+    with _progress_bar(total, "replaying") as bar:
+        detections, summary = replay.replay(pipe, conversations, on_message=lambda: bar.update(1))
+    if args.out:
+        with open(args.out, "wb") as f:
+            f.writelines(msgspec.json.encode(d) + b"\n" for d in detections)
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(summary) + b"\n")
+    else:
+        print(replay.describe(summary))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -197,6 +288,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="*", help="the text (default: stdin)")
     p.set_defaults(func=cmd_detect)
 
+    p = sub.add_parser("recommend", help="rank the catalog's tools for a query on relevance and call history")
+    _common(p)
+    p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
+    p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
+    p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default hybrid)")
+    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "score", "why", "factors"}]}')
+    p.add_argument("query", nargs="*", help="the query (default: stdin)")
+    p.set_defaults(func=cmd_recommend)
+
+    p = sub.add_parser("metrics", help="per-tool call history the server recorded")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
+    p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")
+    p.add_argument("--tool", metavar="T", help="one tool (its name, or server__tool)")
+    p.add_argument("--server", metavar="S", help="one server's tools")
+    p.add_argument("--failing", action="store_true", help="only tools whose success rate is under recommend.failing_threshold (3+ calls)")
+    p.add_argument("--json", action="store_true", help='print {"tools": [{"server", "tool", "call_count", ...}]}')
+    p.set_defaults(func=cmd_metrics)
+
+    p = sub.add_parser("servers", help="the MCP servers of an mcpServers JSON: state, tools, last error")
+    p.add_argument("--mcp-config", "--config", dest="mcp_config", metavar="FILE", required=True,
+                   help="mcpServers JSON as Claude Desktop / Cursor write it (here --config means this file, not the TOML)")
+    p.add_argument("--connect", action="store_true", help="connect to every server first (default: only preconnect_servers)")
+    p.add_argument("--json", action="store_true", help='print {"servers": [{"name", "state", "tools", "connected_at", "last_error", ...}]}')
+    p.set_defaults(func=cmd_servers)
+
     p = sub.add_parser("eval", help="measure the gate and the ranking on a labelled JSONL set")
     _common(p)
     p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
@@ -216,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="score distributions and the TP/FP sweep")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("replay", help="stream transcripts through the sidecar and score its injections")
+    _common(p)
+    p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT", help='JSONL: {"conversation", "role", "content", "chunks"?, "tool_calls"?}')
+    p.add_argument("--out", metavar="FILE", help="write every injection as JSONL")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("serve", help="serve the streaming websocket protocol (docs/protocol.md)")
     _common(p)

@@ -42,6 +42,14 @@ def trained_context(path: str) -> int:
     return int(field.contents())
 
 
+def default_threads() -> int:
+    """All cores but one. llama.cpp's threads wait for each other by spinning, so when they
+    compete with the event loop, the chat app beside us or other processes, a step stalls
+    on its slowest thread: on 2 busy cores one thread gave a MiniLM phrase p50 9 ms / max
+    12 ms where two gave p50 41 ms / max 1.4 s (docs/protocol.md, "Performance")."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 class Embedder:
     """One loaded model. llama.cpp contexts are not thread-safe, so calls take a lock."""
 
@@ -59,7 +67,7 @@ class Embedder:
 
         if not os.path.isfile(path):
             raise EmbedError(f"model file not found: {path}")
-        threads = threads or max(1, os.cpu_count() or 1)
+        threads = threads or default_threads()
         trained = trained_context(path)
         n_ctx = min(trained, max_tokens or trained, 8192)
         try:

@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from . import jsonl
 from .catalog import Catalog
 from .gate import Decision
 
@@ -44,27 +45,16 @@ _decoder = msgspec.json.Decoder(Labeled)
 
 def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> list[Labeled]:
     """Read a JSONL labelled set; with a catalog, every expected tool must be in it."""
-    path = pathlib.Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise LabeledError(f"{path}: cannot read ({e.strerror})") from None
     items = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = _decoder.decode(line)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise LabeledError(f"{path}:{no}: {e}") from None
+    for where, item in jsonl.read(path, _decoder, LabeledError):
         if not item.text.strip():
-            raise LabeledError(f"{path}:{no}: empty text")
+            raise LabeledError(f"{where}: empty text")
         if isinstance(item.expect, list) and not item.expect:
-            raise LabeledError(f"{path}:{no}: expect is an empty list (use null for 'no tool')")
+            raise LabeledError(f"{where}: expect is an empty list (use null for 'no tool')")
         if catalog is not None:
             unknown = sorted(t for t in item.expected if catalog.get(t) is None)
             if unknown:
-                raise LabeledError(f"{path}:{no}: expected tool(s) not in the catalog: {', '.join(unknown)}")
+                raise LabeledError(f"{where}: expected tool(s) not in the catalog: {', '.join(unknown)}")
         items.append(item)
     if not items:
         raise LabeledError(f"{path}: no labelled items")

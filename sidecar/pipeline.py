@@ -87,6 +87,8 @@ class Pipeline:
         return self.detect_batch([Request(text, source)])[0]
 
     def detect_batch(self, requests: Sequence[Request]) -> list[Decision]:
+        if not requests:
+            return []
         t0 = time.perf_counter()
         screens = []
         for r in requests:

@@ -144,7 +144,7 @@ def _cli(*args: str, tmp_path, stdin: str | None = None) -> subprocess.Completed
 
 
 def test_cli_detect_json(tmp_path):
-    run = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", str(NOTES), "please take a note: buy milk", tmp_path=tmp_path)
+    run = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", str(NOTES), "please create a note: buy milk", tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["model"] == models.SMALL_MODEL

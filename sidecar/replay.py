@@ -1,0 +1,270 @@
+"""Replaying transcripts through the server's streaming logic, and scoring what it injected.
+
+A transcript's assistant messages are streamed delta by delta (their recorded `chunks`, or
+LLM-like tokens) and its user turns sent whole, through the same `Session` and `Pipeline`
+the websocket server uses: each span is judged as it completes, exactly as a client
+streaming at an unhurried pace would see it. Ground truth is the `tool_calls` of each
+assistant message; a user turn is answered by the tool calls of the next assistant message.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import msgspec
+import regex
+
+from . import jsonl
+from .catalog import Catalog
+from .config import ServerConfig
+from .evaluate import percentiles
+from .pipeline import Request
+from .protocol import Hello, Inject
+from .session import Evaluation, Session
+
+# The GPT-2 pre-tokenizer: LLM tokens never cross these pieces' boundaries, so streaming them
+# one by one is a faithful (slightly coarse) stand-in for an LLM's token stream.
+_LLM_PIECES = regex.compile(r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+class TranscriptError(ValueError):
+    """A transcript is unusable; the message names file:line."""
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    conversation: str | int
+    role: Literal["user", "assistant", "tool"]
+    content: str = ""
+    chunks: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class Conversation(msgspec.Struct):
+    id: str
+    messages: list[Message]
+    origin: str  # file, for reports
+
+
+_decoder = msgspec.json.Decoder(Message)
+
+
+def read_transcripts(paths: Sequence[str | pathlib.Path], catalog: Catalog | None = None) -> list[Conversation]:
+    """Conversations in file order; messages of one conversation may span files."""
+    convs: dict[str, Conversation] = {}
+    for path in paths:
+        for where, msg in jsonl.read(path, _decoder, TranscriptError):
+            if msg.chunks is not None and "".join(msg.chunks) != msg.content:
+                raise TranscriptError(f"{where}: chunks do not join to content")
+            if catalog is not None:
+                unknown = [c.name for c in msg.tool_calls or () if catalog.get(c.name) is None]
+                if unknown:
+                    raise TranscriptError(f"{where}: tool_calls name tools not in the catalog: {', '.join(unknown)}")
+            cid = str(msg.conversation)
+            convs.setdefault(cid, Conversation(cid, [], str(path))).messages.append(msg)
+    if not convs:
+        raise TranscriptError(f"{', '.join(map(str, paths))}: no messages")
+    return list(convs.values())
+
+
+def llm_tokens(text: str) -> list[str]:
+    """Split text the way an LLM streams it (pieces join back to `text`)."""
+    return _LLM_PIECES.findall(text)
+
+
+class Detection(msgspec.Struct):
+    """One inject, as a line of the events file."""
+
+    conversation: str
+    message: int  # index within the conversation
+    role: str
+    tier: str
+    tools: list[str]
+    scores: list[float]
+    trigger: str
+    path: str
+    at_char: int  # end of the judged span within the message
+    truth: list[str]  # the tools the model itself called for this message
+    correct: list[bool]
+    lead_chars: int  # characters of the message (and, for a user turn, of the reply) still to come
+    lead_tokens: int
+
+
+class Summary(msgspec.Struct):
+    conversations: int
+    messages: int  # user and assistant messages replayed
+    injections: int  # injected tools
+    precision: float  # injected tools that the model called for that message
+    recall: float  # tools the model called that were injected first (during its message or the user turn before)
+    false_fires: int  # messages that called no tool but got an inject
+    lead_time_chars: dict[str, float]
+    lead_time_tokens: dict[str, float]
+    per_conversation: dict[str, dict[str, float]] = {}
+
+
+def _truths(conv: Conversation) -> list[list[str]]:
+    """Per message, the tools it should have led to (user turn: the next assistant message's)."""
+    out: list[list[str]] = []
+    for i, m in enumerate(conv.messages):
+        if m.role == "assistant":
+            out.append([c.name for c in m.tool_calls or ()])
+        elif m.role == "user":
+            nxt = next((n for n in conv.messages[i + 1:] if n.role != "tool"), None)
+            out.append([c.name for c in nxt.tool_calls or ()] if nxt is not None and nxt.role == "assistant" else [])
+        else:
+            out.append([])
+    return out
+
+
+def replay(pipe: Any, conversations: Sequence[Conversation], limits: ServerConfig | None = None,
+           on_message: Callable[[], None] | None = None) -> tuple[list[Detection], Summary]:  # fmt: skip
+    """Stream every conversation through a fresh `Session` on `pipe`; score the injections."""
+    limits = limits or ServerConfig()
+    detections: list[Detection] = []
+    per_conv: dict[str, dict[str, float]] = {}
+    totals = _Tally()
+    for conv in conversations:
+        session = Session(limits, pipe.catalog, pipe)
+        session.start(Hello(session=f"replay:{conv.id}"), pipe.catalog, pipe)
+        tally = _Tally()
+        truths = _truths(conv)
+        ahead: set[str] = set()  # injected on the user turn the next reply answers
+        for i, (msg, truth) in enumerate(zip(conv.messages, truths)):
+            if msg.role == "tool":
+                continue
+            found = list(_stream(session, pipe, limits, conv, i, msg, truth))
+            if on_message:
+                on_message()
+            tally.add(truth, found, ahead if msg.role == "assistant" else None)
+            ahead = {t for d in found for t in d.tools} if msg.role == "user" else set()
+            detections.extend(found)
+        totals.merge(tally)
+        per_conv[conv.id] = tally.figures()
+    summary = totals.summary(len(conversations), per_conv)
+    return detections, summary
+
+
+def _stream(session: Session, pipe: Any, limits: ServerConfig, conv: Conversation, index: int, msg: Message,
+            truth: list[str]) -> Iterator[Detection]:  # fmt: skip
+    stream = f"{conv.id}:{index}"
+    now = time.perf_counter()
+    if msg.role == "user":
+        deltas = [msg.content]
+        batches = [session.on_user(stream, msg.content, now)]
+        reply = _next_reply(conv, index)
+        after = (len(reply.content), len(_deltas(reply))) if reply is not None else (0, 0)
+    else:
+        deltas = _deltas(msg)
+        batches = [session.on_token(stream, d, now) for d in deltas] + [session.on_end(stream, now)]
+        after = (0, 0)
+    offsets = _ends(deltas)
+    for evs in batches:
+        for ev, d in zip(evs, pipe.detect_batch([_request(ev) for ev in evs])):
+            inject = session.inject_for(ev, d, limits.inject_margin, limits.max_inject_tools)
+            if inject is not None:
+                yield _detection(conv.id, index, msg, inject, ev.end, truth, offsets, after)
+
+
+def _request(ev: Evaluation) -> Request:
+    return Request(ev.text, ev.source)
+
+
+def _next_reply(conv: Conversation, index: int) -> Message | None:
+    return next((m for m in conv.messages[index + 1:] if m.role == "assistant"), None)
+
+
+def _deltas(msg: Message) -> list[str]:
+    return list(msg.chunks) if msg.chunks is not None else llm_tokens(msg.content)
+
+
+def _ends(deltas: Sequence[str]) -> list[int]:
+    out, n = [], 0
+    for d in deltas:
+        n += len(d)
+        out.append(n)
+    return out
+
+
+def _detection(cid: str, index: int, msg: Message, inject: Inject, at: int, truth: list[str], ends: list[int],
+               after: tuple[int, int]) -> Detection:  # fmt: skip
+    """`at`: where the judged span ended; it was judged once the delta holding it arrived."""
+    tools = [t.definition["name"] for t in inject.tools]
+    seen = next((k for k, e in enumerate(ends) if e >= at), len(ends) - 1)
+    return Detection(
+        conversation=cid, message=index, role=msg.role, tier=inject.tier, tools=tools,
+        scores=[t.score for t in inject.tools], trigger=inject.trigger.text, path=inject.trigger.path,
+        at_char=at, truth=truth, correct=[t in truth for t in tools],
+        lead_chars=len(msg.content) - at + after[0], lead_tokens=len(ends) - 1 - seen + after[1],
+    )  # fmt: skip
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.messages = self.injected = self.right = self.called = self.found = self.false_fires = 0
+        self.lead_chars: list[float] = []
+        self.lead_tokens: list[float] = []
+
+    def add(self, truth: list[str], found: list[Detection], ahead: set[str] | None) -> None:
+        """Precision counts every injected tool; recall counts each assistant message's tool
+        calls, found when injected during it or on the user turn it answers (`ahead`)."""
+        self.messages += 1
+        tools = [t for d in found for t in d.tools]
+        self.injected += len(tools)
+        self.right += sum(t in truth for t in tools)
+        if ahead is not None:
+            self.called += len(set(truth))
+            self.found += len(set(truth) & (set(tools) | ahead))
+        self.false_fires += bool(tools) and not truth
+        for d in found:
+            if any(d.correct):
+                self.lead_chars.append(d.lead_chars)
+                self.lead_tokens.append(d.lead_tokens)
+
+    def merge(self, o: _Tally) -> None:
+        for k in ("messages", "injected", "right", "called", "found", "false_fires"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        self.lead_chars += o.lead_chars
+        self.lead_tokens += o.lead_tokens
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "messages": self.messages,
+            "injections": self.injected,
+            "precision": _ratio(self.right, self.injected),
+            "recall": _ratio(self.found, self.called),
+            "false_fires": self.false_fires,
+        }
+
+    def summary(self, conversations: int, per_conv: dict[str, dict[str, float]]) -> Summary:
+        return Summary(
+            conversations=conversations, messages=self.messages, injections=self.injected,
+            precision=_ratio(self.right, self.injected), recall=_ratio(self.found, self.called),
+            false_fires=self.false_fires,
+            lead_time_chars=percentiles(self.lead_chars, (50, 90)),
+            lead_time_tokens=percentiles(self.lead_tokens, (50, 90)),
+            per_conversation=per_conv,
+        )  # fmt: skip
+
+
+def _ratio(n: int, d: int) -> float:
+    return n / d if d else float("nan")
+
+
+def describe(s: Summary) -> str:
+    lines = [
+        f"{s.conversations} conversations, {s.messages} messages, {s.injections} tools injected",
+        f"precision {s.precision:.3f}  recall {s.recall:.3f}  false fires {s.false_fires}",
+        f"lead time: chars p50 {s.lead_time_chars.get('p50', float('nan')):.0f} p90 {s.lead_time_chars.get('p90', float('nan')):.0f}; "
+        f"tokens p50 {s.lead_time_tokens.get('p50', float('nan')):.0f} p90 {s.lead_time_tokens.get('p90', float('nan')):.0f}",
+    ]
+    for cid, f in s.per_conversation.items():
+        lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {f['precision']:.2f}, "
+                     f"recall {f['recall']:.2f}, false fires {f['false_fires']:.0f}")  # fmt: skip
+    return "\n".join(lines)

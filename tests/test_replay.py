@@ -1,0 +1,110 @@
+"""Replay: transcripts streamed through the server's session logic on a real model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sidecar import catalog as catalog_mod
+from sidecar import config as config_mod
+from sidecar import models, pipeline, replay
+from sidecar.store import Store
+from tests.conftest import CATALOGS, ROOT
+
+NOTES = CATALOGS / "notes.json"
+TRANSCRIPTS = sorted((ROOT / "fixtures" / "transcripts").glob("*.jsonl"))
+
+
+def _lines(*msgs: dict) -> str:
+    return "".join(json.dumps(m) + "\n" for m in msgs)
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory) -> pipeline.Pipeline:
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(NOTES)]})
+    return pipeline.from_config(cfg, store=Store(tmp_path_factory.mktemp("replay") / "s.db"), progress=False)
+
+
+@pytest.mark.parametrize("text", ["Let me search my notes.", "I'll call create_note now, ok?\n\nDone — 3.14 it's fine", "  spaced   out\ttext  ", "日本語のテキスト and more"])
+def test_llm_tokens_rejoin_to_the_text(text):
+    pieces = replay.llm_tokens(text)
+    assert "".join(pieces) == text
+    assert len(pieces) > 1
+
+
+def test_transcript_errors_name_file_and_line(tmp_path):
+    cat = catalog_mod.load([NOTES])
+    for body, needle in [
+        (_lines({"conversation": "c", "role": "user", "content": "hi"}, {"conversation": "c", "role": "bot", "content": "x"}), ":2:"),
+        (_lines({"conversation": "c", "role": "assistant", "content": "abc", "chunks": ["a", "b"]}), ":1: chunks do not join"),
+        (_lines({"conversation": "c", "role": "assistant", "content": "x", "tool_calls": [{"name": "nope"}]}), ":1: tool_calls name tools not in the catalog: nope"),
+        ("{not json\n", ":1:"),
+    ]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(body)
+        with pytest.raises(replay.TranscriptError, match=needle):
+            replay.read_transcripts([bad], cat)
+
+
+def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
+    path = tmp_path / "t.jsonl"
+    reply = "Sure. I should call semantic_search to find the kubernetes setup, then I will tell you what it says."
+    path.write_text(_lines(
+        {"conversation": "k8s", "role": "user", "content": "where did I write down how the cluster is set up?"},
+        {"conversation": "k8s", "role": "assistant", "content": reply, "tool_calls": [{"name": "semantic_search", "arguments": {"query": "kubernetes"}}]},
+        {"conversation": "k8s", "role": "tool", "content": "two passages"},
+        {"conversation": "chat", "role": "user", "content": "what a lovely morning it is today"},
+        {"conversation": "chat", "role": "assistant", "content": "It is! Enjoy the sunshine.", "chunks": ["It", " is!", " Enjoy", " the", " sun", "shine."]},
+    ))  # fmt: skip
+    convs = replay.read_transcripts([path], pipe.catalog)
+    assert [c.id for c in convs] == ["k8s", "chat"]
+    detections, summary = replay.replay(pipe, convs)
+    assert summary.conversations == 2 and summary.messages == 4  # tool messages are not replayed
+    hits = [d for d in detections if d.conversation == "k8s" and d.role == "assistant"]
+    assert hits and hits[0].tools[0] == "semantic_search" and hits[0].correct[0]
+    # judged while the clause was still growing (after `span_words` words), before the message
+    # and its tool call ended
+    assert hits[0].at_char < reply.index("what it says") and hits[0].lead_chars == len(reply) - hits[0].at_char
+    assert not any(d.conversation == "chat" for d in detections) and summary.false_fires == 0
+    injected = [t for d in detections for t in d.tools]
+    right = sum(c for d in detections for c in d.correct)
+    assert summary.injections == len(injected)
+    assert summary.precision == pytest.approx(right / len(injected))
+    assert summary.recall == 1.0  # the one tool the model called was injected
+    assert summary.per_conversation["k8s"]["injections"] == len(injected)
+    assert math.isnan(summary.per_conversation["chat"]["precision"])
+
+
+def test_cli_replay_json_and_events(tmp_path):
+    assert TRANSCRIPTS, "fixtures/transcripts is empty"
+    out = tmp_path / "events.jsonl"
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    run = subprocess.run(
+        [sys.executable, "-m", "sidecar", "replay", *map(str, TRANSCRIPTS), "--catalog", str(CATALOGS / "ALL.json"),
+         "--model", models.SMALL_MODEL, "--out", str(out), "--json"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert {"conversations", "messages", "injections", "precision", "recall", "false_fires", "lead_time_chars"} <= set(summary)
+    assert set(summary["lead_time_chars"]) == {"p50", "p90"}
+    convs = {json.loads(line)["conversation"] for f in TRANSCRIPTS for line in f.read_text().splitlines() if line.strip()}
+    assert summary["conversations"] == len(convs)
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(events) <= summary["injections"] and sum(len(e["tools"]) for e in events) == summary["injections"]
+    assert all(e["conversation"] in convs and e["tier"] in ("auto", "confirm") for e in events)
+
+
+def test_cli_replay_bad_transcript_is_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversation": "c", "role": "assistant", "content": "x", "tool_calls": [{"name": "nope"}]}\n')
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    run = subprocess.run([sys.executable, "-m", "sidecar", "replay", str(bad), "--catalog", str(NOTES), "--model", models.SMALL_MODEL],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("sidecar: error:") and "bad.jsonl:1:" in run.stderr
