@@ -138,6 +138,36 @@ def cmd_servers(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from . import catalog as catalog_mod
+    from .mcp import config as mcp_config
+    from .mcp import server as mcp_server
+
+    if args.mcp_config is None and not (args.savings and args.catalog):
+        raise ValueError("give --config mcp.json (an mcpServers file); only --savings --catalog FILE does without")
+    cfg = mcp_config.load(args.mcp_config) if args.mcp_config else None
+    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")  # stderr: stdout may be the wire
+    if args.savings:
+        extra = {str(path): [t.definition() for t in catalog_mod.load([path])] for path in args.catalog or []}
+        report = asyncio.run(mcp_server.measure_savings(cfg, extra))
+        if args.json:
+            sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
+        else:
+            from .mcp.savings import describe as describe_savings
+
+            print(describe_savings(report))
+        return 0
+    from .store import Store, default_path
+
+    settings = config_mod.load(overrides={("model", "name"): args.model, ("store",): args.store})  # TOML from SIDECAR_CONFIG
+    store = Store(settings.store or default_path())
+    http = (args.host, args.port) if args.http else None
+    return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=lambda m: print(f"sidecar: {m}", file=sys.stderr, flush=True)))
+
+
 def describe(d: Decision) -> str:
     """A short human answer: what fired (or why nothing did), the runners-up, the time."""
     t = d.timing_ms
@@ -164,11 +194,13 @@ def _progress_bar(total: int, desc: str, enabled: bool = True):
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from . import evaluate, pipeline
+    from .recommend.recommender import Recommender
 
     cfg = _config(args)
     pipe = pipeline.from_config(cfg, progress=True)
     items = evaluate.read_labeled(args.labeled, pipe.catalog)
-    report = evaluate.evaluate(pipe, items, baseline=args.baseline, bar=_progress_bar(2 * len(items), "evaluating"))
+    recommender = Recommender(pipe, None, cfg.recommend)  # history-neutral: a labelled set has no call history
+    report = evaluate.evaluate(pipe, items, baseline=args.baseline, bar=_progress_bar(2 * len(items), "evaluating"), recommender=recommender)
     if args.json:
         sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
     else:
@@ -210,13 +242,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from . import pipeline, replay
+    import asyncio
 
-    pipe = pipeline.from_config(_config(args), progress=not args.json)
-    conversations = replay.read_transcripts(args.transcripts, pipe.catalog)
+    from . import catalog as catalog_mod
+    from . import pipeline, replay
+    from .metrics import MetricsStore
+    from .recommend import Recommender
+
+    cfg = _config(args)
+    if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
+        conversations = replay.read_transcripts(args.transcripts, catalog_mod.load(cfg.catalogs) if cfg.catalogs else None)
+    else:
+        pipe = pipeline.from_config(cfg, progress=not args.json)
+        conversations = replay.read_transcripts(args.transcripts, pipe.catalog)
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
     with _progress_bar(total, "replaying") as bar:
-        detections, summary = replay.replay(pipe, conversations, on_message=lambda: bar.update(1))
+        if args.url:
+            detections, summary = asyncio.run(replay.replay_url(args.url, conversations, token=cfg.server.token, on_message=lambda: bar.update(1)))
+        else:
+            rec = Recommender(pipe, MetricsStore(pipe.store, cfg.recommend.metrics_retention_days), cfg.recommend)
+            detections, summary = replay.replay(pipe, conversations, cfg.server, lambda: bar.update(1), rec)
     if args.out:
         with open(args.out, "wb") as f:
             f.writelines(msgspec.json.encode(d) + b"\n" for d in detections)
@@ -313,6 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"servers": [{"name", "state", "tools", "connected_at", "last_error", ...}]}')
     p.set_defaults(func=cmd_servers)
 
+    p = sub.add_parser("mcp", help="serve find_tool, call_tool and keep_tools over MCP, for every server of an mcpServers JSON")
+    p.add_argument("--mcp-config", "--config", dest="mcp_config", metavar="FILE",
+                   help="mcpServers JSON (here --config means this file; the TOML comes from SIDECAR_CONFIG)")
+    p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model for find_tool (default {models.DEFAULT_MODEL})")
+    p.add_argument("--store", metavar="PATH", help="SQLite store: embeddings and the call metrics (default: XDG data dir; env SIDECAR_STORE)")
+    p.add_argument("--http", action="store_true", help="serve streamable HTTP at /mcp instead of stdio")
+    p.add_argument("--host", default="127.0.0.1", help="with --http: address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8766, help="with --http: port (default 8766, 0 for any free one)")
+    p.add_argument("--savings", action="store_true", help="print the tokens of every tool schema vs the meta-tools + keep_tools, and exit")
+    p.add_argument("--catalog", metavar="FILE", action="append", help="with --savings: also count a tools/list JSON file (repeat)")
+    p.add_argument("--json", action="store_true", help="with --savings: print the figures as JSON")
+    p.set_defaults(func=cmd_mcp)
+
     p = sub.add_parser("eval", help="measure the gate and the ranking on a labelled JSONL set")
     _common(p)
     p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
@@ -338,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT", help='JSONL: {"conversation", "role", "content", "chunks"?, "tool_calls"?}')
     p.add_argument("--out", metavar="FILE", help="write every injection as JSONL")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--url", metavar="ws://HOST:PORT", help="replay through a running `sidecar serve` instead of in-process")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("serve", help="serve the streaming websocket protocol (docs/protocol.md)")

@@ -197,35 +197,42 @@ class Report(msgspec.Struct):
     thresholds: dict[str, float]
     thresholds_origin: str
     gate: GateReport
-    ranking: RankingReport
+    ranking: RankingReport  # by `ranking_by`: the recommender, as the sidecar ranks what it injects
     latency_ms: dict[str, float]
+    ranking_by: str = "cosine"
+    ranking_cosine: RankingReport | None = None  # the semantic index alone, for comparison
     baseline: BaselineReport | None = None
 
 
-def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int = 10, bar=None) -> Report:
-    """Gate figures over every item; ranking figures over the positives, ranked on demand."""
+def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int = 10, bar=None, recommender=None) -> Report:
+    """Gate figures over every item; ranking figures over the positives, ranked on demand by
+    `recommender` (history-neutral unless it has a metrics store), and by cosine alone."""
     from .lexical import LexicalIndex
     from .pipeline import Request
+    from .recommend.filters import Context
 
     tick = bar.update if bar is not None else None
     decisions = run(pipe, items, on_batch=tick)
     positives = [i for i in items if i.positive]
-    rankings: list[list[str]] = []
+    cosine: list[list[str]] = []
     for lo in range(0, len(positives), 16):
         chunk = positives[lo : lo + 16]
         found = pipe.rank_batch([Request(i.text, i.source) for i in chunk], k)
-        rankings.extend([c.tool for c in cands] for cands in found)
+        cosine.extend([c.tool for c in cands] for cands in found)
         if tick:
             tick(len(chunk))
+    ranked = cosine
+    if recommender is not None:
+        ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k).results] for i in positives]
     base = None
     if baseline:
         index = LexicalIndex(pipe.catalog, baseline)
-        times, ranked = [], []
+        times, lexical = [], []
         for i in positives:
             t0 = time.perf_counter()
-            ranked.append([name for name, _ in index.rank(i.text, k)])
+            lexical.append([name for name, _ in index.rank(i.text, k)])
             times.append((time.perf_counter() - t0) * 1000)
-        base = BaselineReport(baseline, ranking_report(positives, ranked), percentiles(times))
+        base = BaselineReport(baseline, ranking_report(positives, lexical), percentiles(times))
     if bar is not None:
         bar.close()
     strategy = f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}"
@@ -236,7 +243,9 @@ def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int
         thresholds=msgspec.to_builtins(pipe.thresholds),
         thresholds_origin=pipe.thresholds_origin,
         gate=gate_report(items, decisions),
-        ranking=ranking_report(positives, rankings),
+        ranking=ranking_report(positives, ranked),
+        ranking_by=f"recommender ({recommender.cfg.mode})" if recommender is not None else "cosine",
+        ranking_cosine=ranking_report(positives, cosine),
         latency_ms=percentiles([d.timing_ms.total for d in decisions]),
         baseline=base,
     )
@@ -249,9 +258,12 @@ def describe(r: Report) -> str:
         f"thresholds ({r.thresholds_origin}): " + ", ".join(f"{a}={v:.3f}" for a, v in r.thresholds.items()),
         f"gate     TP {g.tp_rate:.1%}  FP {g.fp_rate:.1%}  accuracy {g.accuracy:.1%}  balanced {g.balanced_accuracy:.1%}  "
         f"AUROC {g.auroc:.3f}  fired with the right tool {g.correct_rate:.1%}",
-        f"ranking  top1 {k.top1:.1%}  top3 {k.top3:.1%}  MRR {k.mrr:.3f}  nDCG@10 {k.ndcg_at_10:.3f}  coverage {k.coverage:.1%}",
+        f"ranking  top1 {k.top1:.1%}  top3 {k.top3:.1%}  MRR {k.mrr:.3f}  nDCG@10 {k.ndcg_at_10:.3f}  coverage {k.coverage:.1%}  ({r.ranking_by})",
         f"latency  p50 {r.latency_ms['p50']:.1f} ms  p99 {r.latency_ms['p99']:.1f} ms",
     ]
+    if r.ranking_cosine is not None and r.ranking_by != "cosine":
+        c = r.ranking_cosine
+        lines.append(f"cosine   top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}")
     if r.baseline:
         b = r.baseline.ranking
         lines.append(f"{r.baseline.kind:<8} top1 {b.top1:.1%}  top3 {b.top3:.1%}  MRR {b.mrr:.3f}  nDCG@10 {b.ndcg_at_10:.3f}  coverage {b.coverage:.1%}")

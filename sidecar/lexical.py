@@ -33,7 +33,11 @@ def tool_text(tool: Tool) -> str:
 
 
 class LexicalIndex:
-    """One document per tool. `kind` is "bm25" (k1=1.2, b=0.75) or "tfidf" (cosine)."""
+    """One document per tool. `kind` is "bm25" (k1=1.2, b=0.75) or "tfidf" (cosine).
+
+    Weights are kept per term (compressed columns: for term t, the tools
+    `rows[ptr[t]:ptr[t+1]]` and their weights), so memory grows with the words the catalog
+    uses, not with tools x vocabulary: 10,000 tools stay a few MB."""
 
     def __init__(self, catalog: Catalog, kind: str = "bm25", k1: float = 1.2, b: float = 0.75):
         if kind not in ("bm25", "tfidf"):
@@ -43,32 +47,38 @@ class LexicalIndex:
         docs = [Counter(tokens(tool_text(t))) for t in catalog]
         self.vocab = {w: i for i, w in enumerate(sorted({w for d in docs for w in d}))}
         n = len(docs)
-        tf = np.zeros((n, len(self.vocab)), np.float32)
-        for r, d in enumerate(docs):
-            for w, c in d.items():
-                tf[r, self.vocab[w]] = c
-        df = (tf > 0).sum(axis=0)
+        rows = np.fromiter((r for r, d in enumerate(docs) for _ in d), np.int64)
+        cols = np.fromiter((self.vocab[w] for d in docs for w in d), np.int64)
+        tf = np.fromiter((c for d in docs for c in d.values()), np.float32)
+        df = np.bincount(cols, minlength=len(self.vocab)).astype(np.float32)
         if kind == "bm25":
             self.idf = np.log(1 + (n - df + 0.5) / (df + 0.5)).astype(np.float32)
-            lengths = tf.sum(axis=1, keepdims=True)
+            lengths = np.bincount(rows, weights=tf, minlength=n).astype(np.float32)
             avg = float(lengths.mean()) if n else 1.0
-            self.weights = tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths / max(avg, 1e-9)))
+            w = tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[rows] / max(avg, 1e-9)))
         else:
             self.idf = (np.log((1 + n) / (1 + df)) + 1).astype(np.float32)
-            w = (1 + np.log(np.where(tf > 0, tf, 1))) * (tf > 0) * self.idf
-            norms = np.linalg.norm(w, axis=1, keepdims=True)
-            self.weights = w / np.where(norms == 0, 1, norms)
+            w = (1 + np.log(tf)) * self.idf[cols]
+            norms = np.sqrt(np.bincount(rows, weights=w * w, minlength=n))
+            w = w / np.where(norms == 0, 1, norms)[rows]
+        order = np.argsort(cols, kind="stable")
+        self._rows = rows[order]
+        self._weights = w[order].astype(np.float32)
+        self._ptr = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=len(self.vocab)))])
 
     def scores(self, query: str) -> np.ndarray:
-        q = np.zeros(len(self.vocab), np.float32)
-        for w, c in Counter(tokens(query)).items():
-            if (i := self.vocab.get(w)) is not None:
-                q[i] = c
+        terms = {i: c for w, c in Counter(tokens(query)).items() if (i := self.vocab.get(w)) is not None}
         if self.kind == "bm25":
-            return self.weights @ (np.minimum(q, 1) * self.idf)
-        q = (1 + np.log(np.where(q > 0, q, 1))) * (q > 0) * self.idf
-        norm = float(np.linalg.norm(q))
-        return self.weights @ (q / norm) if norm else np.zeros(len(self.names), np.float32)
+            q = {i: float(self.idf[i]) for i in terms}  # a repeated query word counts once
+        else:
+            q = {i: (1 + np.log(c)) * float(self.idf[i]) for i, c in terms.items()}
+            norm = float(np.sqrt(sum(v * v for v in q.values())))
+            q = {i: v / norm for i, v in q.items()} if norm else {}
+        out = np.zeros(len(self.names), np.float32)
+        for i, qw in q.items():
+            lo, hi = self._ptr[i], self._ptr[i + 1]
+            out[self._rows[lo:hi]] += self._weights[lo:hi] * qw  # a tool appears once per term
+        return out
 
     def rank(self, query: str, k: int = 10) -> list[tuple[str, float]]:
         s = self.scores(query)

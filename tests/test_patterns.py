@@ -88,3 +88,24 @@ def test_catastrophic_pattern_is_cut_off_by_the_time_budget():
 )
 def test_screen_on_the_study_examples(text, source, path):
     assert gate.screen(text, source, patterns.load_dir()).path.startswith(path)
+
+
+@pytest.mark.parametrize(
+    "text,fires",
+    [
+        ("Checking the git log to see when this changed", True),
+        ("Now opening the dashboard in the browser", True),
+        ("Pulling up the on-call schedule", True),
+        ("Searching for where the config is loaded", True),
+        ("Looking back, the design held up well", False),
+        ("Running out of ideas here, honestly", False),
+        ("Reading between the lines, they want a refund", False),
+        ("The checking account was closed", False),
+    ],
+)
+def test_llm_narration_in_the_present(text, fires):
+    high = patterns.load_dir().high
+    m = high.first(text, "llm")
+    assert (m is not None and m.id == "narrating") == fires, m
+    user = high.first(text, "user")
+    assert user is None or user.id != "narrating"  # a user turn is no narration of the LLM
