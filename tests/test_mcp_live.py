@@ -8,12 +8,10 @@ Backoffs are shrunk in the tests; waits are bounded polls, never timing assertio
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,60 +29,14 @@ from sidecar.mcp.state import Breaker, State, backoff_delays, diff, schema_hash
 from sidecar.pipeline import Request
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
+from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until
 
-FS_PACKAGE = "@modelcontextprotocol/server-filesystem@2026.8.31"
 CHANGER = ROOT / "tests" / "mcp_servers" / "changing_server.py"
-TIME = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
 FAST = {"backoff_base": 0.01, "backoff_max": 0.05, "max_connection_retries": 2, "connection_timeout": 20}
-MISSING = "/nonexistent/sidecar-test-no-such-command"
-
-
-def run(coro, timeout: float = 120):
-    """Run one async test body, bounded."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def until(predicate, timeout: float = 20, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def cfg(servers: dict, **options) -> mcp_config.McpConfig:
     return mcp_config.parse({"mcpServers": servers, "sidecar": {**FAST, **options}}, "test.json")
-
-
-@pytest.fixture(scope="session")
-def fs_server(request) -> pathlib.Path:
-    """The npm filesystem server, installed once into the pytest cache (never skipped)."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        pytest.fail(f"node and npm are needed to install {FS_PACKAGE} for this test (found node={node}, npm={npm})")
-    root = pathlib.Path(request.config.cache.mkdir("npm-" + FS_PACKAGE.replace("/", "_").replace("@", "")))
-    entry = root / "node_modules" / "@modelcontextprotocol" / "server-filesystem" / "dist" / "index.js"
-    if not entry.exists():
-        cmd = [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund", "--no-save", FS_PACKAGE]
-        try:
-            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"`{' '.join(cmd)}` did not finish in 600 s")
-        if done.returncode != 0 or not entry.exists():
-            pytest.fail(f"could not install {FS_PACKAGE} with `{' '.join(cmd)}` (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return entry
-
-
-@pytest.fixture
-def fs_root(tmp_path) -> pathlib.Path:
-    root = tmp_path / "files"
-    root.mkdir()
-    (root / "notes.txt").write_text("kubernetes setup: three nodes\n")
-    return root
-
-
-def fs_spec(entry: pathlib.Path, root: pathlib.Path) -> dict:
-    return {"command": "node", "args": [str(entry), str(root)]}
 
 
 def changer_spec(protocol: str = "auto", pages: int = 0) -> dict:
@@ -261,27 +213,13 @@ def test_pagination_is_followed():
 
 
 def test_streamable_http_server_by_url(tmp_path):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log_file = (tmp_path / "http-server.log").open("w")
     proc = subprocess.Popen([sys.executable, str(CHANGER), "--http", str(port)], stdout=log_file, stderr=subprocess.STDOUT)
     c = cfg({"remote": {"url": f"http://127.0.0.1:{port}/mcp"}})
 
-    async def listening() -> None:
-        while True:
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                return
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "http-server.log").read_text()
-                await asyncio.sleep(0.05)
-
     async def body():
-        await asyncio.wait_for(listening(), 30)
+        await listening(port, proc, tmp_path / "http-server.log")
         async with ConnectionManager(c) as m:
             await m.ensure("remote")
             assert m.state("remote") == State.CONNECTED and m.status()[0].transport == "http"

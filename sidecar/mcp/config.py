@@ -66,6 +66,7 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backoff_max: float = 16.0
     circuit_reset: float = 60.0  # an open circuit fails fast this long, then allows one trial attempt
     request_timeout: float = 60.0  # tools/list and tools/call
+    keep_tools: list[str] = []  # server__tool names `sidecar mcp` lists directly beside its meta-tools
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_connection_retries <= 10:
@@ -145,10 +146,18 @@ def parse(data: Any, origin: str = "<config>", base: pathlib.Path | None = None)
         options = msgspec.convert(raw_opts, Options)
     except (msgspec.ValidationError, ValueError) as e:
         raise _fail(origin, f"sidecar options: {str(e).replace('$.', '')}") from None
+    def absent(server: str) -> str:
+        return "is disabled" if server in disabled else "is not in mcpServers"
+
     for name in options.preconnect_servers:
         if name not in servers:
-            why = "is disabled" if name in disabled else "is not in mcpServers"
-            raise _fail(origin, f"sidecar.preconnect_servers names {name!r}, which {why}")
+            raise _fail(origin, f"sidecar.preconnect_servers names {name!r}, which {absent(name)}")
+    for name in options.keep_tools:
+        server, sep, tool = name.partition(SEP)
+        if not sep or not tool:
+            raise _fail(origin, f"sidecar.keep_tools names {name!r}: give it as server{SEP}tool")
+        if server not in servers:
+            raise _fail(origin, f"sidecar.keep_tools names {name!r}, whose server {server!r} {absent(server)}")
     return McpConfig(servers, options, origin, disabled)
 
 
