@@ -70,7 +70,7 @@ class GateReport(msgspec.Struct):
     accuracy: float
     balanced_accuracy: float
     auroc: float  # of the gate score (blocked = -1): how well it separates at any threshold
-    correct_rate: float  # positives on which it fired with an expected tool on top
+    correct_rate: float  # positives on which it fired and would inject an expected tool first
     positives: int
     negatives: int
 
@@ -106,19 +106,22 @@ def _rate(n: int, d: int) -> float:
     return n / d if d else math.nan
 
 
-def gate_report(items: Sequence[Labeled], decisions: Sequence[Decision]) -> GateReport:
-    pos = [(i, d) for i, d in zip(items, decisions) if i.positive]
+def gate_report(items: Sequence[Labeled], decisions: Sequence[Decision], first: Sequence[str | None] | None = None) -> GateReport:
+    """`first`: per item, the tool that would be injected first when the gate fires (default:
+    the gate's own best candidate)."""
+    first = first if first is not None else [d.tool for d in decisions]
+    pos = [(i, d, f) for i, d, f in zip(items, decisions, first) if i.positive]
     neg = [d for i, d in zip(items, decisions) if not i.positive]
-    tp = sum(d.fired for _, d in pos)
+    tp = sum(d.fired for _, d, _ in pos)
     fp = sum(d.fired for d in neg)
-    correct = sum(d.fired and d.tool in i.expected for i, d in pos)
+    correct = sum(d.fired and f in i.expected for i, d, f in pos)
     tpr, fpr = _rate(tp, len(pos)), _rate(fp, len(neg))
     return GateReport(
         tp_rate=tpr,
         fp_rate=fpr,
         accuracy=_rate(tp + len(neg) - fp, len(items)),
         balanced_accuracy=(tpr + (1 - fpr)) / 2,
-        auroc=auroc([gate_score(d) for _, d in pos], [gate_score(d) for d in neg]),
+        auroc=auroc([gate_score(d) for _, d, _ in pos], [gate_score(d) for d in neg]),
         correct_rate=_rate(correct, len(pos)),
         positives=len(pos),
         negatives=len(neg),
@@ -224,6 +227,8 @@ def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int
     ranked = cosine
     if recommender is not None:
         ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k).results] for i in positives]
+    tops = iter(r[0] if r else None for r in ranked)
+    first = [next(tops) if i.positive else d.tool for i, d in zip(items, decisions)]
     base = None
     if baseline:
         index = LexicalIndex(pipe.catalog, baseline)
@@ -242,7 +247,7 @@ def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int
         strategy=strategy,
         thresholds=msgspec.to_builtins(pipe.thresholds),
         thresholds_origin=pipe.thresholds_origin,
-        gate=gate_report(items, decisions),
+        gate=gate_report(items, decisions, first),
         ranking=ranking_report(positives, ranked),
         ranking_by=f"recommender ({recommender.cfg.mode})" if recommender is not None else "cosine",
         ranking_cosine=ranking_report(positives, cosine),
