@@ -17,6 +17,23 @@ from .patterns import GatePatterns, Match
 Tier = Literal["auto", "confirm"]
 
 
+def _check_cosine(name: str, v: float | None) -> None:
+    if v is not None and not -1.0 <= v <= 1.0:
+        raise ValueError(f"gate threshold {name}={v} is not a cosine in [-1, 1]")
+
+
+class ToolThresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One tool's own path thresholds, where a labelled set had enough texts about it to fit
+    them (`sidecar tune`); unset ones fall back to the model's."""
+
+    high: float | None = None
+    fallback: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_cosine("high", self.high)
+        _check_cosine("fallback", self.fallback)
+
+
 class Thresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Scores are cosine similarities of one model; every model needs its own numbers."""
 
@@ -24,14 +41,20 @@ class Thresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fallback: float = 0.68  # semantic threshold with no pattern
     auto: float = 0.70  # a fired match at or above: inject without asking
     confirm: float = 0.55  # a fired match at or above (below auto): ask first
+    tools: dict[str, ToolThresholds] = {}  # per-tool path thresholds, by tool name
 
     def __post_init__(self) -> None:
         for name in ("high", "fallback", "auto", "confirm"):
-            v = getattr(self, name)
-            if not -1.0 <= v <= 1.0:
-                raise ValueError(f"gate threshold {name}={v} is not a cosine in [-1, 1]")
+            _check_cosine(name, getattr(self, name))
         if self.confirm > self.auto:
             raise ValueError(f"gate threshold confirm={self.confirm} is above auto={self.auto}")
+
+    def path_threshold(self, path: str, tool: str | None) -> float:
+        """What a match of `tool` on this gate path ("high:ID" or "fallback") must reach."""
+        own = self.tools.get(tool) if tool is not None else None
+        if path.startswith("high:"):
+            return own.high if own is not None and own.high is not None else self.high
+        return own.fallback if own is not None and own.fallback is not None else self.fallback
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -104,10 +127,10 @@ def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: T
     trigger = Trigger(scr.match.text, scr.match.start, scr.match.end) if scr.match else None
     if scr.blocked:
         return Decision(False, None, scr.path, None, None, None, None, candidates, timing, source, trigger)
-    threshold = t.high if scr.path.startswith("high:") else t.fallback
     if not candidates:
-        return Decision(False, None, scr.path, None, None, None, threshold, candidates, timing, source, trigger)
+        return Decision(False, None, scr.path, None, None, None, t.path_threshold(scr.path, None), candidates, timing, source, trigger)
     best = candidates[0]
+    threshold = t.path_threshold(scr.path, best.tool)
     tier = tier_of(best.score, t) if best.score >= threshold else None
     if trigger is None:
         trigger = Trigger(text, 0, len(text))

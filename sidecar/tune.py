@@ -21,7 +21,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
 from .evaluate import Labeled, auroc, run
-from .gate import Thresholds
+from .gate import Thresholds, ToolThresholds
 from .index import ToolIndex
 from .pipeline import Pipeline, open_embedder
 from .store import Store
@@ -127,26 +127,29 @@ class GateScores(msgspec.Struct):
     score: list[float]
     positive: list[bool]
     correct: list[bool]  # positive and the top tool is an expected one
+    tool: list[str | None] = []  # the best candidate (whose per-tool thresholds apply)
 
     @classmethod
     def from_decisions(cls, items, decisions) -> GateScores:
-        path, score, positive, correct = [], [], [], []
+        path, score, positive, correct, tool = [], [], [], [], []
         for i, d in zip(items, decisions):
             kind = "blocked" if d.path.startswith("negative:") else ("high" if d.path.startswith("high:") else "fallback")
             path.append(kind)
             score.append(-1.0 if d.score is None else float(d.score))
             positive.append(i.positive)
             correct.append(i.positive and d.tool in i.expected)
-        return cls(path, score, positive, correct)
+            tool.append(d.tool)
+        return cls(path, score, positive, correct, tool)
 
     def subset(self, idx: Sequence[int]) -> GateScores:
-        return GateScores(*([getattr(self, f)[i] for i in idx] for f in ("path", "score", "positive", "correct")))
+        return GateScores(*([getattr(self, f)[i] for i in idx] for f in ("path", "score", "positive", "correct", "tool")))
 
 
 def fired(s: GateScores, t: Thresholds) -> np.ndarray:
     path = np.asarray(s.path)
     score = np.asarray(s.score)
-    need = np.where(path == "high", t.high, t.fallback)
+    tools = s.tool or [None] * len(s.path)
+    need = np.array([t.path_threshold("high:" if p == "high" else p, tool) for p, tool in zip(s.path, tools)])
     return (path != "blocked") & (score >= need) & (score >= t.confirm)
 
 
@@ -168,17 +171,34 @@ def rates(s: GateScores, t: Thresholds) -> GateFit:
     return GateFit(t, float(tp), float(fp), acc, float((f & correct)[pos].mean()) if pos.any() else math.nan)
 
 
-def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.9) -> GateFit:
+def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.9, per_tool: bool = True) -> GateFit:
     """Search the high-pattern and fallback thresholds jointly for the objective; ties go to
     the pair that fires the right tool most, then to the higher (safer) thresholds. `confirm`
     is the lower of the two (the paths' own thresholds decide), `auto` the lowest score at
-    which fired decisions were right at least `auto_precision` of the time."""
+    which fired decisions were right at least `auto_precision` of the time. With `per_tool`,
+    a tool that is the best candidate of enough positives and negatives gets its own pair."""
+    pos = np.asarray(s.positive)
+    if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
+        raise ValueError(f"need at least {MIN_POSITIVES} positives and {MIN_NEGATIVES} negatives to fit thresholds")
+    found = _search_pair(s, objective)
+    if found is None:
+        raise ValueError(f"no thresholds meet the objective {objective.kind} (fp <= {objective.max_fp})")
+    h, f = found
+    confirm = min(h, f)
+    tools = _fit_tools(s, objective, h, f) if per_tool else {}
+    if tools:
+        confirm = min([confirm, *(v for t in tools.values() for v in (t.high, t.fallback) if v is not None)])
+    t = Thresholds(high=round(h, 4), fallback=round(f, 4), auto=1.0, confirm=round(confirm, 4), tools=tools)
+    t = msgspec.structs.replace(t, auto=round(_auto_cut(s, t, auto_precision), 4))
+    return rates(s, t)
+
+
+def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | None:
+    """The (high, fallback) pair that best meets `objective` on `s`, or None if none does."""
     path = np.asarray(s.path)
     score = np.asarray(s.score)
     pos = np.asarray(s.positive)
     correct = np.asarray(s.correct)
-    if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
-        raise ValueError(f"need at least {MIN_POSITIVES} positives and {MIN_NEGATIVES} negatives to fit thresholds")
     live = path != "blocked"
     hi, fb = live & (path == "high"), live & (path == "fallback")
     grid_h = _cuts(score[hi]) if hi.any() else np.array([1.0])
@@ -192,16 +212,37 @@ def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: 
     ok = (over_h & hi & correct).sum(1)[:, None] + (over_f & fb & correct).sum(1)[None, :]
     value = objective.better(tp / n_pos, fp / n_neg)
     if not np.isfinite(value).any():
-        raise ValueError(f"no thresholds meet the objective {objective.kind} (fp <= {objective.max_fp})")
+        return None
     # lexicographic: objective, then right-tool count, then higher thresholds
     key = np.stack(np.broadcast_arrays(value, ok, grid_h[:, None] + grid_f[None, :]), -1).reshape(-1, 3)
     best = np.lexsort((key[:, 2], key[:, 1], key[:, 0]))[-1]
     h, f = grid_h[best // len(grid_f)], grid_f[best % len(grid_f)]
-    h, f = float(np.clip(h, -1, 1)), float(np.clip(f, -1, 1))
-    confirm = min(h, f)
-    t = Thresholds(high=round(h, 4), fallback=round(f, 4), auto=1.0, confirm=round(confirm, 4))
-    t = msgspec.structs.replace(t, auto=round(_auto_cut(s, t, auto_precision), 4))
-    return rates(s, t)
+    return float(np.clip(h, -1, 1)), float(np.clip(f, -1, 1))
+
+
+def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float) -> dict[str, ToolThresholds]:
+    """Own thresholds for each tool that is the best candidate of at least MIN_POSITIVES
+    positives and MIN_NEGATIVES negatives (where the data allows, and only there), kept when
+    they differ from the model's."""
+    out: dict[str, ToolThresholds] = {}
+    by_tool: dict[str, list[int]] = {}
+    for i, (tool, path) in enumerate(zip(s.tool, s.path)):
+        if tool is not None and path != "blocked":
+            by_tool.setdefault(tool, []).append(i)
+    for tool, idx in sorted(by_tool.items()):
+        sub = s.subset(idx)
+        n_pos = sum(sub.positive)
+        if n_pos < MIN_POSITIVES or len(idx) - n_pos < MIN_NEGATIVES:
+            continue
+        found = _search_pair(sub, objective)
+        if found is None:
+            continue
+        h = round(found[0], 4) if "high" in sub.path else None
+        f = round(found[1], 4) if "fallback" in sub.path else None
+        own = ToolThresholds(h if h != round(high, 4) else None, f if f != round(fallback, 4) else None)
+        if own.high is not None or own.fallback is not None:
+            out[tool] = own
+    return out
 
 
 def _auto_cut(s: GateScores, t: Thresholds, precision: float) -> float:
@@ -357,7 +398,8 @@ def describe(s: Study) -> str:
     lines += [
         "",
         f"chosen: {c.model}{' +task-prefixes' if c.task_prefixes else ''}, user {c.user_strategy}, llm {c.llm_strategy}, objective {c.objective}",
-        f"  thresholds: high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
+        f"  thresholds: high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}"
+        + (f"; own thresholds for {len(t.tools)} tool(s): " + ", ".join(sorted(t.tools)[:5]) + (" ..." if len(t.tools) > 5 else "") if t.tools else ""),
         f"  fitted on {len(s.fit_idx)} items: TP {c.fit.tp_rate:.1%}, FP {c.fit.fp_rate:.1%}, accuracy {c.fit.accuracy:.1%}, right tool {c.fit.correct_rate:.1%}",
         f"  held out ({h.n} items, never fitted): TP {h.tp_rate:.1%}, FP {h.fp_rate:.1%}, accuracy {h.accuracy:.1%}, right tool {h.correct_rate:.1%}",
     ]

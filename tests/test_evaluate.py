@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sidecar import evaluate, tune
+from sidecar import evaluate, gate, tune
 from sidecar.catalog import load as load_catalog
 from sidecar.evaluate import Labeled
 from sidecar.gate import Thresholds
@@ -85,6 +85,37 @@ def test_fit_gate_meets_the_fp_budget_and_beats_any_single_threshold():
             assert fit.tp_rate >= one.tp_rate - 1e-9
     tighter = tune.fit_gate(s, tune.Objective("max_tp", 0.01))
     assert tighter.fp_rate <= 0.01 and tighter.tp_rate <= fit.tp_rate
+
+
+def test_tools_with_enough_data_get_their_own_thresholds_and_the_gate_uses_them():
+    """Tool "loud" scores high for everything (its phrases sound like small talk), so the
+    model-wide fallback must sit above its negatives; the quieter tools separate far lower,
+    and with enough texts each they get their own, lower bar."""
+    rng = np.random.default_rng(3)
+    path, score, positive, correct, tool = [], [], [], [], []
+    for i in range(240):
+        pos = i % 2 == 0
+        loud = i % 6 < 2
+        base = (0.85 if pos else 0.72) if loud else (0.58 if pos else 0.40)
+        path.append("fallback")
+        score.append(float(rng.normal(base, 0.02)))
+        positive.append(pos)
+        correct.append(pos)
+        tool.append("loud" if loud else f"t{i % 7}")
+    s = tune.GateScores(path, score, positive, correct, tool)
+    fit = tune.fit_gate(s, tune.Objective("max_tp", 0.05))
+    alone = tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False)
+    t = fit.thresholds
+    assert alone.thresholds.tools == {} and alone.tp_rate < 0.5  # one bar: only "loud" gets through
+    assert "loud" not in t.tools and len(t.tools) >= 5
+    assert all(own.fallback is not None and own.fallback < t.fallback for own in t.tools.values())
+    assert fit.fp_rate <= 0.05 and fit.tp_rate > 0.9
+    # the gate applies them: the same fallback score fires for a quiet tool, not for "loud"
+    quiet = next(iter(t.tools))
+    mid = (t.tools[quiet].fallback + t.fallback) / 2
+    for name, fires in (("loud", False), (quiet, True)):
+        d = gate.judge("x", "user", gate.Screen("fallback"), [gate.Candidate(name, mid, "c")], t, gate.Timing())
+        assert d.fired is fires and d.threshold == t.path_threshold("fallback", name)
 
 
 def test_fit_gate_refuses_too_little_data():
