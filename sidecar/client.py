@@ -2,7 +2,7 @@
 
     async with await SidecarClient.connect("ws://127.0.0.1:8765", session="chat-1") as sc:
         await sc.token("reply-1", "Let me search my notes")
-        async for msg in sc:            # typed: Inject, Ack, Error, Pong
+        async for msg in sc:            # typed: Inject, Ack, Ended, Error, Pong
             ...
 
 `connect` retries while the sidecar answers 503 (still loading the model), then says hello
@@ -141,7 +141,7 @@ async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | 
     """Stream `text` as one LLM reply at `rate` tokens/s, print each inject as it arrives,
     and return them once the sidecar has judged the reply's last span."""
     injects: list[p.Inject] = []
-    async with await SidecarClient.connect(url, session="example", token=token, decisions=True) as sc:
+    async with await SidecarClient.connect(url, session="example", token=token) as sc:
         out(f"connected: model {sc.ready.model}, {len(sc.ready.tools)} tools")
 
         async def read() -> None:
@@ -151,18 +151,15 @@ async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | 
                     out(describe(msg))
                 elif isinstance(msg, p.Error):
                     out(f"error {msg.code}: {msg.message}")
-                elif isinstance(msg, p.DecisionReport) and msg.reason == "end":
-                    return  # the final span is judged: nothing more will come
+                elif isinstance(msg, p.Ended):
+                    return  # every span of the reply is judged: nothing more will come
 
         reader = asyncio.create_task(read())
         for piece in tokens(text):
             await sc.token("reply", piece)
             await asyncio.sleep(1 / rate)
         await sc.end("reply")
-        try:  # the end span may be too short to judge: then the quiet period ends the wait
-            await asyncio.wait_for(reader, 5.0)
-        except TimeoutError:
-            pass
+        await reader
     return injects
 
 

@@ -260,7 +260,8 @@ def describe(r: Report) -> str:
     g, k = r.gate, r.ranking
     lines = [
         f"{r.n} items ({g.positives} need a tool, {g.negatives} do not) · {r.model} · {r.strategy}",
-        f"thresholds ({r.thresholds_origin}): " + ", ".join(f"{a}={v:.3f}" for a, v in r.thresholds.items()),
+        f"thresholds ({r.thresholds_origin}): " + ", ".join(f"{a}={v:.3f}" for a, v in r.thresholds.items() if a != "tools")
+        + (f", own thresholds for {len(r.thresholds['tools'])} tool(s)" if r.thresholds.get("tools") else ""),
         f"gate     TP {g.tp_rate:.1%}  FP {g.fp_rate:.1%}  accuracy {g.accuracy:.1%}  balanced {g.balanced_accuracy:.1%}  "
         f"AUROC {g.auroc:.3f}  fired with the right tool {g.correct_rate:.1%}",
         f"ranking  top1 {k.top1:.1%}  top3 {k.top3:.1%}  MRR {k.mrr:.3f}  nDCG@10 {k.ndcg_at_10:.3f}  coverage {k.coverage:.1%}  ({r.ranking_by})",

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 
 from . import calibration as calib
 from . import catalog as catalog_mod
@@ -31,6 +32,14 @@ SOURCES = ("user", "llm")
 class Request(msgspec.Struct, frozen=True):
     text: str
     source: str = "user"
+
+
+class Judged(msgspec.Struct):
+    """`judge_batch`'s answer: the decisions, and each request's query vector (None when a
+    negative pattern blocked it unembedded), so a recommender need not embed it again."""
+
+    decisions: list[Decision]
+    vectors: list[np.ndarray | None]
 
 
 class Pipeline:
@@ -87,8 +96,11 @@ class Pipeline:
         return self.detect_batch([Request(text, source)])[0]
 
     def detect_batch(self, requests: Sequence[Request]) -> list[Decision]:
+        return self.judge_batch(requests).decisions
+
+    def judge_batch(self, requests: Sequence[Request]) -> Judged:
         if not requests:
-            return []
+            return Judged([], [])
         t0 = time.perf_counter()
         screens = []
         for r in requests:
@@ -116,7 +128,8 @@ class Pipeline:
             d = judge(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing)
             d.truncated = truncated.get(i, False)
             out.append(d)
-        return out
+        rows = dict(zip(todo, embedded.vectors))
+        return Judged(out, [rows.get(i) for i in range(n)])
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

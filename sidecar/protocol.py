@@ -137,11 +137,29 @@ class DecisionReport(msgspec.Struct, tag="decision", tag_field="type", kw_only=T
     latency_ms: float  # from the frame that completed the span to this message
 
 
-class Ack(msgspec.Struct, tag="ack", tag_field="type"):
-    """A tool_result or feedback is committed to the store."""
+class FallbackSuggestion(msgspec.Struct):
+    """A tool that could stand in for one that just failed (Recommender.fallbacks)."""
+
+    tool: str
+    score: float  # similarity x success rate x recency (x same-server boost)
+    similarity: float
+    success_rate: float | None  # None: too few calls to judge
+    reason: str
+
+
+class Ack(msgspec.Struct, tag="ack", tag_field="type", omit_defaults=True):
+    """A tool_result or feedback is committed to the store; a failed tool_result's ack
+    suggests stand-ins."""
 
     ref: Ref | None
-    id: int  # the stored event's id
+    id: int  # the stored row's id (tool_calls for a tool_result, feedback for feedback)
+    fallback_suggestions: list[FallbackSuggestion] | None = None
+
+
+class Ended(msgspec.Struct, tag="ended", tag_field="type"):
+    """Everything queued for a stream before its `end` has been judged and delivered."""
+
+    stream: str
 
 
 class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -154,7 +172,7 @@ class Pong(msgspec.Struct, tag="pong", tag_field="type"):
     pass
 
 
-ServerMessage = Ready | Inject | DecisionReport | Ack | Error | Pong
+ServerMessage = Ready | Inject | DecisionReport | Ack | Ended | Error | Pong
 
 # Codec --------------------------------------------------------------------------------
 

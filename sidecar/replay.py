@@ -1,17 +1,19 @@
 """Replaying transcripts through the server's streaming logic, and scoring what it injected.
 
 A transcript's assistant messages are streamed delta by delta (their recorded `chunks`, or
-LLM-like tokens) and its user turns sent whole, through the same `Session` and `Pipeline`
-the websocket server uses: each span is judged as it completes, exactly as a client
-streaming at an unhurried pace would see it. Ground truth is the `tool_calls` of each
-assistant message; a user turn is answered by the tool calls of the next assistant message.
+LLM-like tokens) and its user turns sent whole, through the same `Session`, `judge` and
+`Pipeline` the websocket server uses: each span is judged as it completes, exactly as a
+client streaming at an unhurried pace would see it. `replay_url` streams the same through a
+running sidecar instead. Ground truth is the `tool_calls` of each assistant message; a user
+turn is answered by the tool calls of the next assistant message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -19,11 +21,12 @@ import regex
 
 from . import jsonl
 from .catalog import Catalog
+from .client import SidecarClient, SidecarError
 from .config import ServerConfig
 from .evaluate import percentiles
-from .pipeline import Request
-from .protocol import Hello, Inject
-from .session import Evaluation, Session
+from .protocol import DecisionReport, Ended, Error, Hello, Inject
+from .recommend.recommender import Recommender
+from .session import Session, judge
 
 # The GPT-2 pre-tokenizer: LLM tokens never cross these pieces' boundaries, so streaming them
 # one by one is a faithful (slightly coarse) stand-in for an LLM's token stream.
@@ -123,57 +126,110 @@ def _truths(conv: Conversation) -> list[list[str]]:
     return out
 
 
+Hit = tuple[Inject, int]  # an inject and where in the message the span that caused it ended
+
+
 def replay(pipe: Any, conversations: Sequence[Conversation], limits: ServerConfig | None = None,
-           on_message: Callable[[], None] | None = None) -> tuple[list[Detection], Summary]:  # fmt: skip
-    """Stream every conversation through a fresh `Session` on `pipe`; score the injections."""
+           on_message: Callable[[], None] | None = None, recommender: Any = None) -> tuple[list[Detection], Summary]:  # fmt: skip
+    """Stream every conversation through a fresh `Session` on `pipe` (tools ranked by
+    `recommender`, by default one without history); score the injections."""
     limits = limits or ServerConfig()
+    rec = recommender if recommender is not None else Recommender(pipe)
+    hits: list[list[list[Hit]]] = []
+    for conv in conversations:
+        session = Session(limits, pipe.catalog, pipe, rec)
+        session.start(Hello(session=f"replay:{conv.id}"), pipe.catalog, pipe, rec)
+        hits.append([_progress(_stream(session, limits, conv, i, msg), on_message) for i, msg in _replayed(conv)])
+    return score(conversations, hits)
+
+
+async def replay_url(url: str, conversations: Sequence[Conversation], *, token: str | None = None,
+                     on_message: Callable[[], None] | None = None) -> tuple[list[Detection], Summary]:  # fmt: skip
+    """The same replay through a running sidecar: one connection per conversation, user turns
+    as `user` + `end`, replies delta by delta + `end`, each message scored once its stream's
+    `ended` came (so every span of it was judged and delivered)."""
+    hits: list[list[list[Hit]]] = []
+    for conv in conversations:
+        async with await SidecarClient.connect(url, session=f"replay:{conv.id}", token=token, decisions=True) as sc:
+            hits.append([_progress(await _send(sc, f"{conv.id}:{i}", msg), on_message) for i, msg in _replayed(conv)])
+    return score(conversations, hits)
+
+
+def score(conversations: Sequence[Conversation], hits: Sequence[Sequence[Sequence[Hit]]]) -> tuple[list[Detection], Summary]:
+    """Detections and their summary from each replayed message's hits (per conversation, in
+    `_replayed` order)."""
     detections: list[Detection] = []
     per_conv: dict[str, dict[str, float]] = {}
     totals = _Tally()
-    for conv in conversations:
-        session = Session(limits, pipe.catalog, pipe)
-        session.start(Hello(session=f"replay:{conv.id}"), pipe.catalog, pipe)
+    for conv, conv_hits in zip(conversations, hits):
         tally = _Tally()
         truths = _truths(conv)
         ahead: set[str] = set()  # injected on the user turn the next reply answers
-        for i, (msg, truth) in enumerate(zip(conv.messages, truths)):
-            if msg.role == "tool":
-                continue
-            found = list(_stream(session, pipe, limits, conv, i, msg, truth))
-            if on_message:
-                on_message()
-            tally.add(truth, found, ahead if msg.role == "assistant" else None)
+        for (i, msg), msg_hits in zip(_replayed(conv), conv_hits):
+            found = [_detection(conv, i, inject, at, truths[i]) for inject, at in msg_hits]
+            tally.add(truths[i], found, ahead if msg.role == "assistant" else None)
             ahead = {t for d in found for t in d.tools} if msg.role == "user" else set()
             detections.extend(found)
         totals.merge(tally)
         per_conv[conv.id] = tally.figures()
-    summary = totals.summary(len(conversations), per_conv)
-    return detections, summary
+    return detections, totals.summary(len(conversations), per_conv)
 
 
-def _stream(session: Session, pipe: Any, limits: ServerConfig, conv: Conversation, index: int, msg: Message,
-            truth: list[str]) -> Iterator[Detection]:  # fmt: skip
+def _replayed(conv: Conversation) -> Iterator[tuple[int, Message]]:
+    """The messages a replay streams (tool results are not), with their index."""
+    return ((i, m) for i, m in enumerate(conv.messages) if m.role != "tool")
+
+
+def _progress(hits: Iterable[Hit], on_message: Callable[[], None] | None) -> list[Hit]:
+    out = list(hits)
+    if on_message:
+        on_message()
+    return out
+
+
+def _stream(session: Session, limits: ServerConfig, conv: Conversation, index: int, msg: Message) -> Iterator[Hit]:
     stream = f"{conv.id}:{index}"
     now = time.perf_counter()
     if msg.role == "user":
-        deltas = [msg.content]
         batches = [session.on_user(stream, msg.content, now)]
-        reply = _next_reply(conv, index)
-        after = (len(reply.content), len(_deltas(reply))) if reply is not None else (0, 0)
     else:
-        deltas = _deltas(msg)
-        batches = [session.on_token(stream, d, now) for d in deltas] + [session.on_end(stream, now)]
-        after = (0, 0)
-    offsets = _ends(deltas)
+        batches = [session.on_token(stream, d, now) for d in _deltas(msg)] + [session.on_end(stream, now)]
     for evs in batches:
-        for ev, d in zip(evs, pipe.detect_batch([_request(ev) for ev in evs])):
-            inject = session.inject_for(ev, d, limits.inject_margin, limits.max_inject_tools)
+        for v in judge(evs, limits.max_inject_tools)[0]:
+            inject = session.inject_for(v, limits.inject_margin)
             if inject is not None:
-                yield _detection(conv.id, index, msg, inject, ev.end, truth, offsets, after)
+                yield inject, v.ev.end
 
 
-def _request(ev: Evaluation) -> Request:
-    return Request(ev.text, ev.source)
+async def _send(sc: SidecarClient, stream: str, msg: Message) -> list[Hit]:
+    """Stream one message and collect its hits, reading while sending (a long message's
+    decisions must not back up in the sidecar's outbox)."""
+    reader = asyncio.create_task(_hits(sc, stream))
+    if msg.role == "user":
+        await sc.user(stream, msg.content)
+    else:
+        for d in _deltas(msg):
+            await sc.token(stream, d)
+    await sc.end(stream)
+    return await reader
+
+
+async def _hits(sc: SidecarClient, stream: str) -> list[Hit]:
+    """Messages up to the stream's `ended`: each inject paired with the `decision` that
+    follows it (its span's end)."""
+    out: list[Hit] = []
+    inject: Inject | None = None
+    while not isinstance(msg := await sc.recv(), Ended):
+        if isinstance(msg, Error):
+            raise SidecarError(f"{stream}: {msg.code}: {msg.message}")
+        if isinstance(msg, Inject):
+            inject = msg
+        elif isinstance(msg, DecisionReport) and inject is not None:
+            out.append((inject, msg.end))
+            inject = None
+    if msg.stream != stream:
+        raise SidecarError(f"expected the end of {stream!r}, got the end of {msg.stream!r}")
+    return out
 
 
 def _next_reply(conv: Conversation, index: int) -> Message | None:
@@ -192,13 +248,18 @@ def _ends(deltas: Sequence[str]) -> list[int]:
     return out
 
 
-def _detection(cid: str, index: int, msg: Message, inject: Inject, at: int, truth: list[str], ends: list[int],
-               after: tuple[int, int]) -> Detection:  # fmt: skip
-    """`at`: where the judged span ended; it was judged once the delta holding it arrived."""
+def _detection(conv: Conversation, index: int, inject: Inject, at: int, truth: list[str]) -> Detection:
+    """`at`: where the judged span ended; it was judged once the delta holding it arrived.
+    Lead time counts what was still to come: the rest of the message, and for a user turn
+    the whole reply."""
+    msg = conv.messages[index]
+    ends = _ends(_deltas(msg) if msg.role == "assistant" else [msg.content])
+    reply = _next_reply(conv, index) if msg.role == "user" else None
+    after = (len(reply.content), len(_deltas(reply))) if reply is not None else (0, 0)
     tools = [t.definition["name"] for t in inject.tools]
     seen = next((k for k, e in enumerate(ends) if e >= at), len(ends) - 1)
     return Detection(
-        conversation=cid, message=index, role=msg.role, tier=inject.tier, tools=tools,
+        conversation=conv.id, message=index, role=msg.role, tier=inject.tier, tools=tools,
         scores=[t.score for t in inject.tools], trigger=inject.trigger.text, path=inject.trigger.path,
         at_char=at, truth=truth, correct=[t in truth for t in tools],
         lead_chars=len(msg.content) - at + after[0], lead_tokens=len(ends) - 1 - seen + after[1],

@@ -4,11 +4,14 @@ Concurrency, in one place:
 - the event loop reads every connection's frames, decodes them (protocol.py), updates the
   connection's Session (session.py) and queues spans in `Pending`; it never embeds;
 - one worker thread owns the model: a dispatcher task hands it everything pending at
-  once, and it calls `Pipeline.detect_batch` once per catalog, so many streams share one
-  llama.cpp call; while it works, new spans queue (and, under overload, supersede);
+  once, and it judges them (`session.judge`: `Pipeline.judge_batch` once per catalog, so
+  many streams share one llama.cpp call, then the recommender for fired spans); while it
+  works, new spans queue (and, under overload, supersede); an `end` is answered with
+  `ended` after the batch that holds the stream's last spans is delivered;
 - each connection has a bounded outbox drained by its own writer task, so a client that
   stops reading stalls only itself (and is closed with 1013 when its outbox is full);
-- tool_result / feedback rows are written by a store thread and acknowledged after commit.
+- tool_result / feedback go to the MetricsStore on a store thread and are acknowledged
+  after commit; a periodic task rolls the raw call log up once a day.
 
 HTTP shares the port through websockets' `process_request`: /healthz and /metrics.
 """
@@ -22,10 +25,12 @@ import logging
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs
 
+import msgspec
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
@@ -37,15 +42,24 @@ from . import protocol as p
 from .catalog import Catalog
 from .config import Config
 from .gate import Decision
+from .metrics import Feedback, MetricsStore, key_of
 from .pending import REASONS, Pending
-from .pipeline import Request as Judge
-from .session import Evaluation, Session, derive_pipeline, session_catalog
+from .recommend.recommender import Recommender
+from .session import (
+    Evaluation,
+    Session,
+    Verdict,
+    derive_pipeline,
+    judge,
+    session_catalog,
+)
 from .store import Store
 
 log = logging.getLogger("sidecar.server")
 
 OUTBOX = 1024  # messages queued for one client before it counts as not reading
 SESSION_PIPELINES = 16  # per-session catalogs kept built (LRU)
+ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
 LATENCY_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -129,7 +143,10 @@ class SidecarServer:
         model loads in the background after the port is bound (/healthz says 503 until then)."""
         self.cfg = cfg
         self.limits = cfg.server
-        self.pipeline = pipeline
+        self.pipeline = None
+        self.recommender: Recommender | None = None
+        self.history: MetricsStore | None = None  # tool calls and feedback, what the recommender learns from
+        self._given = pipeline
         self.catalog = catalog
         self.store = store if store is not None else getattr(pipeline, "store", None)
         self.progress = progress
@@ -139,7 +156,8 @@ class SidecarServer:
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
-        self._session_pipes: OrderedDict[tuple, Any] = OrderedDict()
+        self._session_pipes: OrderedDict[tuple, tuple[Any, Recommender]] = OrderedDict()
+        self._ending: list[tuple[Session, str]] = []  # `end`s waiting for the next batch
         self._records: set[asyncio.Task] = set()
         self._busy = False
         self._ws: Server | None = None
@@ -172,9 +190,10 @@ class SidecarServer:
             server_header=f"sidecar/{__version__}",
         )
         self._tasks.append(asyncio.create_task(self._dispatch()))
-        if self.pipeline is None:
+        if self._given is None:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
+            await self._attach(self._given)
             self.loaded.set()
 
     async def _load(self) -> None:
@@ -188,9 +207,27 @@ class SidecarServer:
             self.load_error = e
         else:
             self.metrics.load.set(time.perf_counter() - t0)
-            self.pipeline = pipe
-            self.store = self.store or pipe.store
+            await self._attach(pipe)
         self.loaded.set()
+
+    async def _attach(self, pipe: Any) -> None:
+        """Serve `pipe`: its recommender, and the metrics store behind it (rolled up now if
+        due, then checked hourly)."""
+        self.store = self.store or pipe.store
+        if self.store is not None:
+            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days)
+            await asyncio.to_thread(self.history.rollup_if_due)
+            self._tasks.append(asyncio.create_task(self._rollups()))
+        self.recommender = Recommender(pipe, self.history, self.cfg.recommend)
+        self.pipeline = pipe  # last: a non-None pipeline means ready
+
+    async def _rollups(self) -> None:
+        while True:
+            await asyncio.sleep(ROLLUP_CHECK_S)
+            try:
+                await asyncio.to_thread(self.history.rollup_if_due)
+            except Exception:
+                log.exception("rolling up the call log failed")
 
     # HTTP side ------------------------------------------------------------------------
 
@@ -244,7 +281,7 @@ class SidecarServer:
         if len(self.connections) >= self.limits.max_connections:
             await ws.close(1013, "too many connections")
             return
-        conn = Connection(ws, Session(self.limits, self.pipeline.catalog, self.pipeline), self.metrics)
+        conn = Connection(ws, Session(self.limits, self.pipeline.catalog, self.pipeline, self.recommender), self.metrics)
         self.connections[conn.session] = conn
         try:
             async for frame in ws:
@@ -274,13 +311,15 @@ class SidecarServer:
                 self._queue(s.on_user(msg.stream, msg.text, now))
             elif isinstance(msg, p.End):
                 self._queue(s.on_end(msg.stream, now))
+                self._ending.append((s, msg.stream))
+                self._wake.set()
             elif isinstance(msg, p.Ping):
                 conn.send(p.Pong())
             elif isinstance(msg, p.Hello):
                 await self._hello(conn, msg)
             else:  # ToolResult | Feedback
                 s.require_hello(kind)
-                self._record(conn, kind, frame, msg.ref)
+                self._record(conn, msg)
         except p.ProtocolError as e:
             conn.send(p.Error(e.code, e.message, e.ref if e.ref is not None else getattr(msg, "ref", None)))
         except Exception as e:
@@ -294,39 +333,60 @@ class SidecarServer:
             raise p.ProtocolError("hello_again", "this connection already said hello")
         base = self.pipeline
         catalog = session_catalog(base.catalog, msg.tools)
-        pipe = base if catalog is base.catalog else await self._session_pipeline(base, catalog)
-        conn.session.start(msg, catalog, pipe)
+        pipe, rec = (base, self.recommender) if catalog is base.catalog else await self._session_pipeline(base, catalog)
+        conn.session.start(msg, catalog, pipe, rec)
         conn.send(p.Ready(version=p.VERSION, model=base.embedder.name, tools=catalog.names(), sidecar=__version__))
 
-    async def _session_pipeline(self, base: Any, catalog: Catalog) -> Any:
-        """A session catalog's pipeline, built on the model thread and shared by sessions
-        that send the same tools."""
+    async def _session_pipeline(self, base: Any, catalog: Catalog) -> tuple[Any, Recommender]:
+        """A session catalog's pipeline and recommender, built on the model thread and
+        shared by sessions that send the same tools."""
         key = tuple((t.name, t.content_hash) for t in catalog)
-        pipe = self._session_pipes.get(key)
-        if pipe is None:
+        built = self._session_pipes.get(key)
+        if built is None:
             pipe = await asyncio.get_running_loop().run_in_executor(self._worker, derive_pipeline, base, catalog)
-            self._session_pipes[key] = pipe
+            built = self._session_pipes[key] = (pipe, Recommender(pipe, self.history, self.cfg.recommend))
             while len(self._session_pipes) > SESSION_PIPELINES:
                 self._session_pipes.popitem(last=False)
         else:
             self._session_pipes.move_to_end(key)
-        return pipe
+        return built
 
-    def _record(self, conn: Connection, kind: str, frame: str | bytes, ref: p.Ref | None) -> None:
-        payload = frame if isinstance(frame, str) else frame.decode("utf-8")
-        task = asyncio.create_task(self._commit(conn, kind, payload, ref))
+    def _record(self, conn: Connection, msg: p.ToolResult | p.Feedback) -> None:
+        """Check the message now (an unknown tool is an error, nothing recorded), commit it on
+        a store thread, ack after the commit."""
+        s = conn.session
+        if s.catalog.get(msg.tool) is None:
+            raise p.ProtocolError("unknown_tool", f"no tool {msg.tool!r} in this session's catalog")
+        if self.history is None:
+            raise p.ProtocolError("store_failed", "this sidecar has no store")
+        if isinstance(msg, p.ToolResult):
+            write = functools.partial(self._store_call, s, msg)
+        else:
+            write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref)
+        task = asyncio.create_task(self._commit(conn, type(msg).__struct_config__.tag, write, msg.ref))
         self._records.add(task)
         task.add_done_callback(self._records.discard)
 
-    async def _commit(self, conn: Connection, kind: str, payload: str, ref: p.Ref | None) -> None:
+    async def _commit(self, conn: Connection, kind: str, write: Callable[[], p.Ack], ref: p.Ref | None) -> None:
         try:
-            row = await asyncio.to_thread(self.store.record_event, kind, payload, conn.session.hello.session)
+            ack = await asyncio.to_thread(write)
         except Exception as e:
             log.exception("recording a %s failed", kind)
             conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
             return
         self.metrics.events.inc(kind)
-        conn.send(p.Ack(ref, row))
+        conn.send(ack)
+
+    def _store_call(self, s: Session, msg: p.ToolResult) -> p.Ack:
+        """On a store thread: the call, committed; for a failed one, the stand-ins."""
+        server, tool = key_of(s.catalog, msg.tool)
+        row = self.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent, call_id=call_id(s, msg.ref))
+        if msg.ok or s.recommender is None:
+            return p.Ack(msg.ref, row)
+        return p.Ack(msg.ref, row, s.recommender.fallbacks(msg.tool, s.context) or None)
+
+    def _store_feedback(self, fb: Feedback, ref: p.Ref | None) -> p.Ack:
+        return p.Ack(ref, self.history.record_feedback(fb))
 
     # Evaluation -----------------------------------------------------------------------
 
@@ -342,43 +402,41 @@ class SidecarServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            # Taken together: every span queued before these `end`s is in this batch or was
+            # in the one delivered before, so `ended` may follow this batch (nothing can drop it).
             batch = [ev for ev in self.pending.take(time.perf_counter()) if not ev.session.closed]
+            ending, self._ending = self._ending, []
             self._count_drops()
-            if not batch:
-                continue
-            self._busy = True
-            try:
-                results, sizes = await loop.run_in_executor(self._worker, self._judge, batch)
-            except Exception:
-                log.exception("judging a batch of %d failed", len(batch))
-                results, sizes = [], []
-            finally:
-                self._busy = False
-            for n in sizes:
-                self.metrics.batch.observe(n)
-            for ev, d in results:
-                self._deliver(ev, d)
+            if batch:
+                await self._judge(loop, batch)
+            for session, stream in ending:
+                if (conn := self.connections.get(session)) is not None:
+                    conn.send(p.Ended(stream))
             if len(self.pending):
                 self._wake.set()
 
-    def _judge(self, batch: list[Evaluation]) -> tuple[list[tuple[Evaluation, Decision]], list[int]]:
-        """On the model thread: one detect_batch call per distinct pipeline in the batch."""
-        groups: dict[int, tuple[Any, list[Evaluation]]] = {}
-        for ev in batch:
-            groups.setdefault(id(ev.session.pipeline), (ev.session.pipeline, []))[1].append(ev)
-        out = []
-        for pipe, evs in groups.values():
-            decisions = pipe.detect_batch([Judge(ev.text, ev.source) for ev in evs])
-            out.extend(zip(evs, decisions))
-        return out, [len(evs) for _, evs in groups.values()]
+    async def _judge(self, loop: asyncio.AbstractEventLoop, batch: list[Evaluation]) -> None:
+        self._busy = True
+        try:
+            verdicts, sizes = await loop.run_in_executor(self._worker, judge, batch, self.limits.max_inject_tools)
+        except Exception:
+            log.exception("judging a batch of %d failed", len(batch))
+            verdicts, sizes = [], []
+        finally:
+            self._busy = False
+        for n in sizes:
+            self.metrics.batch.observe(n)
+        for v in verdicts:
+            self._deliver(v)
 
-    def _deliver(self, ev: Evaluation, d: Decision) -> None:
+    def _deliver(self, v: Verdict) -> None:
+        ev, d = v.ev, v.decision
         self.metrics.latency.observe(time.perf_counter() - ev.received)
         self.metrics.detections.inc(d.tier if d.fired and d.tier else "none", d.path)
         conn = self.connections.get(ev.session)
         if conn is None:
             return
-        inject = ev.session.inject_for(ev, d, self.limits.inject_margin, self.limits.max_inject_tools)
+        inject = ev.session.inject_for(v, self.limits.inject_margin)
         if inject is not None:
             self.metrics.injections.inc(inject.tier)
             conn.send(inject)
@@ -399,7 +457,7 @@ class SidecarServer:
         self.closing = True
         deadline = time.monotonic() + self.limits.shutdown_timeout_s
         self._ws.server.close()  # stop listening; handshakes in flight get 503
-        while (len(self.pending) or self._busy or self._records) and time.monotonic() < deadline:
+        while (len(self.pending) or self._busy or self._records or self._ending) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         flushes = [asyncio.create_task(c.outbox.join()) for c in self.connections.values()]
         if flushes:
@@ -416,6 +474,23 @@ class SidecarServer:
                 self.store.checkpoint()
             except Exception:
                 log.exception("store checkpoint failed")
+
+
+def call_id(s: Session, ref: p.Ref | None) -> str | None:
+    """A tool_result's id for the call log, from its `ref` within the session: a result resent
+    with the same ref is counted once (the ref's JSON keeps 7 and "7" apart)."""
+    return None if ref is None else f"{s.hello.session}\x1f{msgspec.json.encode(ref).decode()}"
+
+
+def feedback_of(s: Session, msg: p.Feedback) -> Feedback:
+    """The feedback row: the tool it rates stands for what was recommended; `selected` says
+    whether it was used. A rating outside 0..5 is the client's error."""
+    variant = s.recommender.weights_for(s.hello.agent)[0] if s.recommender is not None else None
+    try:
+        return Feedback(query=msg.query or "", recommended=[msg.tool], selected=msg.tool if msg.selected else None,
+                        rating=msg.rating, agent=s.hello.agent, variant=variant)  # fmt: skip
+    except ValueError as e:
+        raise p.ProtocolError("invalid_field", f"feedback: {e}", msg.ref) from None
 
 
 def report(ev: Evaluation, d: Decision) -> p.DecisionReport:

@@ -3,7 +3,8 @@ already injected into each, so the server only moves frames and the rules live h
 
 Rules: `hello` comes first (ping aside); `user` is judged whole; `token` feeds the stream's
 segmenter, whose spans are judged as LLM output; `end` flushes and closes the stream
-(later tokens on it are an error). A tool is injected at most once per stream id.
+(later tokens on it are an error). When the gate fires, the session's recommender picks the
+tools (`judge`); a tool is injected at most once per stream id.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from .catalog import Catalog, CatalogError, from_tools
 from .config import ServerConfig
-from .gate import Decision, tier_of
+from .gate import Decision
+from .pipeline import Request
 from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo
+from .recommend.filters import Context, Permissions
 from .stream import Segmenter, Span
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .recommend.recommender import Recommendations
 
 
 @dataclass(eq=False)
@@ -46,11 +56,13 @@ class Evaluation:
 
 
 class Session:
-    def __init__(self, limits: ServerConfig, catalog: Catalog, pipeline: Any = None):
+    def __init__(self, limits: ServerConfig, catalog: Catalog, pipeline: Any = None, recommender: Any = None):
         self.limits = limits
         self.hello: Hello | None = None
         self.catalog = catalog  # the session's (server's, narrowed or extended by hello.tools)
         self.pipeline = pipeline  # the Pipeline that judges this session's spans
+        self.recommender = recommender  # the Recommender over that pipeline: picks the tools to inject
+        self.context = Context()  # who asks and what it may be offered, from the hello
         self.closed = False
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
         self._open = 0
@@ -59,10 +71,11 @@ class Session:
     def open_streams(self) -> int:
         return self._open
 
-    def start(self, hello: Hello, catalog: Catalog, pipeline: Any) -> None:
+    def start(self, hello: Hello, catalog: Catalog, pipeline: Any, recommender: Any = None) -> None:
         if self.hello is not None:
             raise ProtocolError("hello_again", "this connection already said hello")
-        self.hello, self.catalog, self.pipeline = hello, catalog, pipeline
+        self.hello, self.catalog, self.pipeline, self.recommender = hello, catalog, pipeline, recommender
+        self.context = context_of(hello)
 
     def require_hello(self, kind: str) -> None:
         if self.hello is None:
@@ -124,27 +137,27 @@ class Session:
         for sid in [s for s, st in self._streams.items() if st.segmenter is None][: len(self._streams) - keep]:
             del self._streams[sid]
 
-    def inject_for(self, ev: Evaluation, d: Decision, margin: float, limit: int) -> Inject | None:
-        """The inject a fired decision calls for: its best tool and runners-up that clear the
-        same bar within `margin` of it, minus tools this stream already got."""
-        if not d.fired or d.tier is None or d.score is None or self.closed:
+    def rank(self, ev: Evaluation, d: Decision, vector: np.ndarray | None, top: int) -> Recommendations | None:
+        """The recommender's tools for a span the gate fired on (None when it did not).
+        On the model thread: without `vector` the recommender embeds the span."""
+        if not d.fired or self.recommender is None:
             return None
-        thresholds = self.pipeline.thresholds
-        bar = max(d.threshold or 0.0, d.score - margin)
+        context = msgspec.structs.replace(self.context, source=ev.source)
+        return self.recommender.recommend(ev.text, context, top=top, query_vector=vector)
+
+    def inject_for(self, v: Verdict, margin: float) -> Inject | None:
+        """The inject a fired decision calls for: the recommender's best tool and runners-up
+        within `margin` of its score, minus tools this stream already got. The tier and the
+        trigger are the gate's."""
+        ev, d, ranked = v.ev, v.decision, v.ranked
+        if not d.fired or d.tier is None or ranked is None or not ranked.results or self.closed:
+            return None
+        bar = ranked.results[0].score - margin
         tools: list[InjectedTool] = []
-        tier = None
-        for c in d.candidates:
-            if len(tools) >= limit:
-                break
-            c_tier = tier_of(c.score, thresholds)
-            if c.score < bar or c_tier is None or c.tool in ev.stream.injected:
-                continue
-            tier = tier or c_tier  # the best tool sent decides the tier
-            tool = self.catalog.get(c.tool)
-            if tool is None:
-                continue
-            why = f"{d.path}: {c.score:.2f} >= {d.threshold:.2f}, like {c.case!r}"
-            tools.append(InjectedTool(tool.definition(), c.score, why))
+        for r in ranked.results:
+            tool = self.catalog.get(r.tool)
+            if r.score >= bar and tool is not None and r.tool not in ev.stream.injected:
+                tools.append(InjectedTool(tool.definition(), r.score, r.why))
         if not tools:
             return None
         ev.stream.injected.update(t.definition["name"] for t in tools)
@@ -152,8 +165,38 @@ class Session:
         lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
         trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
         latency = (time.perf_counter() - ev.received) * 1000
-        return Inject(stream=ev.stream.id, tier=tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
+        return Inject(stream=ev.stream.id, tier=d.tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
 
+
+@dataclass(eq=False)
+class Verdict:
+    """A judged evaluation: the gate's decision and, when it fired, the recommender's ranking."""
+
+    ev: Evaluation
+    decision: Decision
+    ranked: Recommendations | None = None
+
+
+def judge(evaluations: Sequence[Evaluation], top: int) -> tuple[list[Verdict], list[int]]:
+    """On the model thread (it embeds): one `judge_batch` per distinct pipeline, then each
+    fired span ranked by its session's recommender on the span's own vector. The server and
+    replay both judge through here, so they inject alike. Also returns the batch sizes."""
+    groups: dict[int, tuple[Any, list[Evaluation]]] = {}
+    for ev in evaluations:
+        groups.setdefault(id(ev.session.pipeline), (ev.session.pipeline, []))[1].append(ev)
+    out: list[Verdict] = []
+    for pipe, evs in groups.values():
+        judged = pipe.judge_batch([Request(ev.text, ev.source) for ev in evs])
+        for ev, d, vec in zip(evs, judged.decisions, judged.vectors):
+            out.append(Verdict(ev, d, ev.session.rank(ev, d, vec, top)))
+    return out, [len(evs) for _, evs in groups.values()]
+
+
+def context_of(hello: Hello) -> Context:
+    """What the recommender filters a session's tools by: `hello.permissions` are globs of
+    the tools it may be offered (catalog or server name), `hello.project` a project tag."""
+    allowed = Permissions(allow=list(hello.permissions)) if hello.permissions is not None else None
+    return Context(agent=hello.agent, permissions=allowed, project_tags=[hello.project] if hello.project else [])
 
 def session_catalog(base: Catalog, entries: Sequence[str | dict[str, Any]] | None) -> Catalog:
     """hello.tools applied to the server's catalog: names keep those server tools (all of

@@ -1,4 +1,5 @@
-"""The SQLite store: embedding cache and file digests (metrics and feedback join later).
+"""The SQLite store: embedding cache and file digests; other modules keep their tables here
+(`metrics.py`: tool calls and feedback).
 
 One file, WAL mode, one connection guarded by a lock: the sidecar's writes are small and
 few, and WAL lets other processes (the CLI reading metrics) read while it writes.
@@ -12,7 +13,6 @@ import os
 import pathlib
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -31,13 +31,6 @@ CREATE TABLE IF NOT EXISTS file_digest (
     size     INTEGER NOT NULL,
     mtime_ns INTEGER NOT NULL,
     sha256   TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS events (
-    id       INTEGER PRIMARY KEY,
-    time     REAL NOT NULL,   -- unix seconds when received
-    kind     TEXT NOT NULL,   -- "tool_result" | "feedback" (the protocol message type)
-    session  TEXT,            -- the hello's session id
-    payload  TEXT NOT NULL    -- the message as received (JSON)
 );
 """
 
@@ -119,26 +112,6 @@ class Store:
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO embedding_cache VALUES (?,?,?,?)", rows)
-
-    def record_event(self, kind: str, payload: str, session: str | None = None, at: float | None = None) -> int:
-        """Append one event and return its id once committed and synced to disk (synchronous=FULL
-        for this commit), so a caller may acknowledge it as durable."""
-        with self._lock:
-            self._db.execute("PRAGMA synchronous=FULL")
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    cur = self._db.execute(
-                        "INSERT INTO events (time, kind, session, payload) VALUES (?,?,?,?)",
-                        (time.time() if at is None else at, kind, session, payload),
-                    )
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                self._db.execute("COMMIT")
-                return int(cur.lastrowid)
-            finally:
-                self._db.execute("PRAGMA synchronous=NORMAL")
 
     def checkpoint(self) -> None:
         """Fold the WAL into the main file (on shutdown: leave one self-contained file)."""

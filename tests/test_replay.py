@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from sidecar import catalog as catalog_mod
 from sidecar import config as config_mod
 from sidecar import models, pipeline, replay
+from sidecar.config import ServerConfig
+from sidecar.metrics import MetricsStore
+from sidecar.recommend import Recommender
+from sidecar.server import SidecarServer
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
 
@@ -108,3 +114,44 @@ def test_cli_replay_bad_transcript_is_one_line(tmp_path):
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("sidecar: error:") and "bad.jsonl:1:" in run.stderr
+
+
+def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
+    """`sidecar replay --url` against a real server on 127.0.0.1 and `replay.replay` in-process
+    produce the same detections and summary, to the score.
+
+    Batching alone changes nothing here: the server judges the spans of several frames
+    together where in-process replay judges each frame's alone, but each span is embedded and
+    ranked on its own. What can differ is *which* spans are judged: under load the server
+    lets a growing clause's newer span supersede its pending shorter one (and drops stale
+    ones), by design. So the limits here judge clauses whole (`span_words` beyond any
+    clause: every span has its own key) and never go stale; the test checks the server
+    dropped nothing, so the equality is exact rather than lucky."""
+    limits = ServerConfig(port=0, span_words=10_000, stale_ms=600_000)
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")]})
+    pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
+    convs = replay.read_transcripts(TRANSCRIPTS, pipe.catalog)
+    rec = Recommender(pipe, MetricsStore(pipe.store), cfg.recommend)
+    detections, summary = replay.replay(pipe, convs, limits, recommender=rec)
+    assert summary.injections > 0
+
+    async def through_server() -> tuple[subprocess.CompletedProcess, dict[str, float]]:
+        srv = SidecarServer(msgspec.structs.replace(cfg, server=limits), pipeline=pipe)
+        await srv.start()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sidecar", "replay", "--url", srv.url, *map(str, TRANSCRIPTS),
+                "--catalog", str(CATALOGS / "ALL.json"), "--out", str(tmp_path / "url.jsonl"), "--json",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), 600)
+            return subprocess.CompletedProcess("replay --url", proc.returncode, out.decode(), err.decode()), dict(srv.pending.dropped)
+        finally:
+            await srv.shutdown()
+
+    run, dropped = asyncio.run(through_server())
+    assert run.returncode == 0, run.stderr
+    assert dropped == {"superseded": 0, "overflow": 0, "stale": 0}
+    assert json.loads(run.stdout) == json.loads(msgspec.json.encode(summary))
+    got = [json.loads(line) for line in (tmp_path / "url.jsonl").read_text().splitlines()]
+    assert got == [json.loads(msgspec.json.encode(d)) for d in detections]

@@ -28,6 +28,7 @@ from sidecar import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
+from sidecar.recommend import Context
 from sidecar.server import SidecarServer
 from sidecar.store import Store
 from sidecar.stream import Segmenter
@@ -200,6 +201,52 @@ def test_user_turn_is_judged_whole(small):
     run(body())
 
 
+def test_ended_comes_after_every_decision_of_its_stream_even_when_they_are_dropped(small):
+    reply = SEARCH + " Ok, that is all"
+    clauses = " ".join(f"Clause number {i} is here." for i in range(6)) + " "
+
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="end", decisions=True) as sc:
+            for piece in tokens(reply):
+                await sc.token("r", piece)
+            await sc.end("r")
+            msgs = await until(sc, lambda m: isinstance(m, p.Ended))
+            assert msgs[-1].stream == "r" and "semantic_search" in injected(msgs)
+            assert sum(isinstance(m, p.DecisionReport) for m in msgs) == spans_of(reply)
+            await sc.user("u", SEARCH)
+            await sc.end("u")  # a user turn's stream ends too
+            msgs = await until(sc, lambda m: isinstance(m, p.Ended))
+            assert [type(m) for m in msgs][-2:] == [p.DecisionReport, p.Ended] and msgs[-1].stream == "u"
+        async with serving(small, stale_ms=0.001) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
+            await sc.token("r", clauses)
+            await sc.end("r")
+            msgs = await until(sc, lambda m: isinstance(m, p.Ended))
+            assert not any(isinstance(m, p.DecisionReport) for m in msgs)  # all stale: dropped, counted ...
+            assert srv.pending.dropped["stale"] == 6  # ... and the marker was not
+
+    run(body())
+
+
+def test_inject_tools_are_the_recommenders_within_the_hello_permissions(small):
+    async def body():
+        async with serving(small) as srv:
+            async with await SidecarClient.connect(srv.url, session="rec", decisions=True) as sc:
+                await sc.user("u", SEARCH)
+                msgs = await decisions(sc, 1)
+                [inj] = [m for m in msgs if isinstance(m, p.Inject)]
+                ranked = srv.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
+                close = [r for r in ranked if r.score >= ranked[0].score - srv.limits.inject_margin]
+                assert [(t.definition["name"], t.score, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
+                assert inj.tier == msgs[-1].tier  # the gate's
+            async with await SidecarClient.connect(srv.url, session="perm", permissions=["*_note"], decisions=True) as sc:
+                await sc.user("u", SEARCH)
+                msgs = await decisions(sc, 1)
+                assert msgs[-1].fired and msgs[-1].tool == "semantic_search"  # the gate fires as before ...
+                assert injected(msgs) and all(n.endswith("_note") for n in injected(msgs))  # ... the session gets what it may
+
+    run(body())
+
+
 def test_fifty_concurrent_clients_each_get_their_own_inject(small):
     async def one(url: str, i: int) -> tuple[str, list[str]]:
         text, want = (SEARCH, "semantic_search") if i % 2 else (SAVE, "create_note")
@@ -350,26 +397,102 @@ def test_overload_drops_are_counted_and_frames_are_still_read(small):
 # Store ---------------------------------------------------------------------------------
 
 
-def test_ack_comes_once_the_record_is_in_sqlite(small):
+def test_ack_comes_once_the_record_is_in_the_metrics_tables(small):
     async def body():
-        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="acks") as sc:
-            db = sqlite3.connect(small.store.path)
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="acks", agent="bot") as sc:
+            db = sqlite3.connect(small.store.path)  # another connection sees only what was committed
             try:
                 await sc.tool_result("semantic_search", True, 12.5, ref="r-1")
                 ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
-                assert ack.ref == "r-1"
-                kind, session, payload = db.execute("SELECT kind, session, payload FROM events WHERE id=?", (ack.id,)).fetchone()
-                assert (kind, session) == ("tool_result", "acks")
-                assert json.loads(payload) == {"type": "tool_result", "tool": "semantic_search", "ok": True, "latency_ms": 12.5, "ref": "r-1"}
-                await sc.feedback("create_note", rating=0.5, selected=True, query="save this", ref=7)
+                assert ack.ref == "r-1" and ack.fallback_suggestions is None
+                row = db.execute("SELECT server, tool, agent, success, latency_ms FROM tool_calls WHERE id=?", (ack.id,)).fetchone()
+                assert row == ("notes", "semantic_search", "bot", 1, 12.5)
+                calls = db.execute("SELECT call_count FROM tool_metrics WHERE server='notes' AND tool='semantic_search'").fetchone()[0]
+                await sc.tool_result("semantic_search", True, 12.5, ref="r-1")  # resent: counted once
+                again = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
+                assert again.id == ack.id
+                assert db.execute("SELECT call_count FROM tool_metrics WHERE server='notes' AND tool='semantic_search'").fetchone()[0] == calls
+                await sc.feedback("create_note", rating=4.5, selected=True, query="save this", ref=7)
                 ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
                 assert ack.ref == 7
-                row = db.execute("SELECT kind, payload FROM events WHERE id=?", (ack.id,)).fetchone()
-                assert row[0] == "feedback" and json.loads(row[1])["query"] == "save this"
+                row = db.execute("SELECT query, recommended, selected, rating, agent FROM feedback WHERE id=?", (ack.id,)).fetchone()
+                assert row == ("save this", '["create_note"]', "create_note", 4.5, "bot")
+            finally:
+                db.close()
+            return srv.metrics.events.values
+
+    events = run(body())
+    assert events == {("tool_result",): 2, ("feedback",): 1}
+
+
+def test_a_failed_tool_result_is_acked_with_fallbacks_and_unknown_tools_are_refused(small):
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="fails") as sc:
+            db = sqlite3.connect(small.store.path)
+            try:
+                await sc.tool_result("create_note", False, 1200, error="timeout", ref=18)
+                ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
+                assert ack.ref == 18
+                assert db.execute("SELECT tool, success, error FROM tool_calls WHERE id=?", (ack.id,)).fetchone() == ("create_note", 0, "timeout")
+                want = srv.recommender.fallbacks("create_note")
+                assert want and [f.tool for f in ack.fallback_suggestions] == [f.tool for f in want]
+                assert all(f.tool != "create_note" and small.catalog.get(f.tool) and f.reason for f in ack.fallback_suggestions)
+                before = db.execute("SELECT count(*) FROM tool_calls").fetchone()[0]
+                await sc.tool_result("no_such_tool", True, 1.0, ref="x")
+                e = (await until(sc, lambda m: isinstance(m, p.Error)))[-1]
+                assert (e.code, e.ref) == ("unknown_tool", "x") and "no_such_tool" in e.message
+                await sc.feedback("create_note", rating=9.0, ref="f")  # ratings are 0..5
+                e = (await until(sc, lambda m: isinstance(m, p.Error)))[-1]
+                assert (e.code, e.ref) == ("invalid_field", "f")
+                await sc.ping()
+                assert isinstance(await sc.recv(WAIT_S), p.Pong)  # no ack came for either
+                assert db.execute("SELECT count(*) FROM tool_calls").fetchone()[0] == before
             finally:
                 db.close()
 
     run(body())
+    assert b"fallback_suggestions" not in p.encode(p.Ack("r", 1))  # omitted when there are none
+
+
+def test_a_kill_9_loses_no_acknowledged_tool_result(tmp_path):
+    """A real `sidecar serve`, SIGKILLed while results are still arriving: every acked one is
+    in the file, read afterwards by a separate connection."""
+    n = 200
+
+    async def body():
+        proc, url, _, drain = await _serve(tmp_path)
+        acked: set[str] = set()
+        try:
+            sc = await SidecarClient.connect(url, session="kill", wait_s=WAIT_S)
+            for i in range(n):
+                await sc.tool_result("semantic_search" if i % 2 else "create_note", bool(i % 3), float(i), ref=f"k{i}")
+            for _ in range(n):
+                msg = await sc.recv(WAIT_S)
+                assert isinstance(msg, p.Ack), msg
+                acked.add(msg.ref)
+                if len(acked) == n // 2:
+                    proc.send_signal(signal.SIGKILL)  # mid-stream: later results may be lost, acked ones not
+                    break
+            with contextlib.suppress(ConnectionClosed, TimeoutError):
+                for _ in range(n):  # acks already on the wire before the kill count too
+                    if isinstance(msg := await sc.recv(WAIT_S), p.Ack):
+                        acked.add(msg.ref)
+            assert await asyncio.wait_for(proc.wait(), WAIT_S) == -signal.SIGKILL
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        drain.cancel()
+        return acked
+
+    acked = run(body())
+    db = sqlite3.connect(tmp_path / "serve.db")
+    try:
+        stored = {row[0].split("\x1f")[1] for row in db.execute("SELECT call_id FROM tool_calls")}
+    finally:
+        db.close()
+    assert len(acked) >= n // 2
+    assert {json.dumps(ref) for ref in acked} <= stored
 
 
 # Catalog per session -------------------------------------------------------------------
@@ -453,7 +576,7 @@ def test_metrics_count_what_happened(small):
                 for piece in pieces:
                     await sc.token("r", piece)
                 await sc.end("r")
-                await decisions(sc, spans_of(reply))
+                await until(sc, lambda m: isinstance(m, p.Ended))  # every decision came before it
                 await sc.ws.send("{oops")
                 assert isinstance(await sc.recv(WAIT_S), p.Error)
                 status, headers, text = await http_get(srv.port, "/metrics")
@@ -561,7 +684,7 @@ def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
     assert any("shutting down" in line for line in lines), lines
     db = sqlite3.connect(tmp_path / "serve.db")
     try:
-        assert db.execute("SELECT kind, session FROM events").fetchall() == [("feedback", "a")]
+        assert db.execute("SELECT recommended, rating FROM feedback").fetchall() == [('["semantic_search"]', 1.0)]
     finally:
         db.close()
     assert not (tmp_path / "serve.db-wal").exists() or (tmp_path / "serve.db-wal").stat().st_size == 0  # flushed
@@ -609,5 +732,5 @@ def test_protocol_examples_in_the_docs_decode():
         arrow, frame = line
         msg = p.decode_client(frame) if arrow == "→" else p.decode_server(frame)
         types.add(type(msg).__struct_config__.tag)
-    assert types >= {"hello", "user", "token", "end", "tool_result", "feedback", "ping", "ready", "inject", "decision", "ack", "error", "pong"}
+    assert types >= {"hello", "user", "token", "end", "tool_result", "feedback", "ping", "ready", "inject", "decision", "ack", "ended", "error", "pong"}
     assert msgspec.json.decode(frames[0])["type"] == "hello"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from sidecar import catalog as catalog_mod
@@ -11,7 +12,8 @@ from sidecar.config import ServerConfig
 from sidecar.gate import Candidate, Decision, Thresholds, Timing, Trigger
 from sidecar.pending import Pending
 from sidecar.protocol import Hello, ProtocolError
-from sidecar.session import Session, session_catalog
+from sidecar.recommend.recommender import Factors, Recommendation, Recommendations
+from sidecar.session import Session, Verdict, context_of, session_catalog
 from sidecar.stream import Segmenter
 
 from .conftest import CATALOGS
@@ -164,19 +166,36 @@ def test_session_needs_hello_and_enforces_stream_limits(notes):
     assert e.value.code == "unknown_stream"
 
 
+def ranked(*scored: tuple[str, float]) -> Recommendations:
+    factors = Factors(0.5, 0.5, 0.5, 0.5, 0.5, 0.5, None, 1.0, 0)
+    return Recommendations("q", [Recommendation(t, s, f"why {t}", factors) for t, s in scored])
+
+
 def test_a_tool_is_injected_once_per_stream_with_close_runners_up(notes):
     s = Session(ServerConfig(inject_margin=0.05), notes, FakePipeline())
     s.start(Hello(session="s"), notes, FakePipeline())
     [ev] = s.on_user("u1", "  please note this", 0.0)
     assert (ev.start, ev.end, ev.source) == (2, 18, "user")
-    inj = s.inject_for(ev, fired("create_note", 0.70, [("update_note", 0.67), ("read_note", 0.50)]), 0.05, 3)
+    d = fired("create_note", 0.70)
+    inj = s.inject_for(Verdict(ev, d, ranked(("create_note", 0.70), ("update_note", 0.67), ("read_note", 0.50))), 0.05)
     assert [t.definition["name"] for t in inj.tools] == ["create_note", "update_note"]
+    assert [t.why for t in inj.tools] == ["why create_note", "why update_note"]  # the recommender's
     assert inj.tools[0].definition == notes.get("create_note").definition()
-    assert (inj.trigger.start, inj.trigger.end, inj.trigger.path) == (4, 11, "high:x")
+    assert inj.tier == d.tier and (inj.trigger.start, inj.trigger.end, inj.trigger.path) == (4, 11, "high:x")
     [ev2] = s.on_user("u1", "again please note this", 0.0)
-    assert s.inject_for(ev2, fired("create_note", 0.9), 0.05, 3) is None  # already injected in u1
+    assert s.inject_for(Verdict(ev2, d, ranked(("create_note", 0.9))), 0.05) is None  # already injected in u1
+    assert s.inject_for(Verdict(ev2, d, None), 0.05) is None  # nothing ranked
     [ev3] = s.on_user("u2", "please note this", 0.0)
-    assert s.inject_for(ev3, fired("create_note", 0.9), 0.05, 3) is not None  # another stream
+    silent = msgspec.structs.replace(d, fired=False)
+    assert s.inject_for(Verdict(ev3, silent, ranked(("create_note", 0.9))), 0.05) is None  # the gate decides
+    assert s.inject_for(Verdict(ev3, d, ranked(("create_note", 0.9))), 0.05) is not None  # another stream
+
+
+def test_hello_becomes_the_recommenders_context():
+    hello = Hello(session="s", agent="bot", permissions=["*_note"], project="infra")
+    ctx = context_of(hello)
+    assert (ctx.agent, ctx.permissions.allow, ctx.project_tags) == ("bot", ["*_note"], ["infra"])
+    assert context_of(Hello(session="s")).permissions is None  # no permissions: every tool
 
 
 def test_session_catalog_narrows_and_extends(notes):

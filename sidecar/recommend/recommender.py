@@ -26,6 +26,7 @@ from ..catalog import Catalog, Tool
 from ..config import RecommendConfig
 from ..lexical import LexicalIndex
 from ..metrics import CallCount, MetricsStore, ToolMetrics, key_of
+from ..protocol import FallbackSuggestion
 from . import filters as F
 from . import intent as I
 from . import scoring as S
@@ -70,12 +71,7 @@ class Recommendations(msgspec.Struct):
     timing_ms: float = 0.0
 
 
-class Fallback(msgspec.Struct):
-    tool: str
-    score: float  # similarity x success rate x recency (x same-server boost)
-    similarity: float
-    success_rate: float | None  # None: too few calls to judge
-    reason: str
+Fallback = FallbackSuggestion  # one struct: what `fallbacks()` returns is what an `ack` carries
 
 
 class _State:
