@@ -109,3 +109,23 @@ def test_llm_narration_in_the_present(text, fires):
     assert (m is not None and m.id == "narrating") == fires, m
     user = high.first(text, "user")
     assert user is None or user.id != "narrating"  # a user turn is no narration of the LLM
+
+
+@pytest.mark.parametrize(
+    "text,pattern",
+    [
+        ("what's the status of PROJ-1423?", "names_artifact"),
+        ("which files does PR #482 touch?", "names_artifact"),
+        ("what's in src/config/settings.py?", "names_artifact"),
+        ("what did commit a1b2c3d change?", "names_artifact"),
+        ("something is still hogging port 3000", "names_artifact"),
+        ("what time is it in Tokyo right now?", "asks_live"),
+        ("who won the final last night?", "asks_live"),
+        ("explain the CAP theorem", None),
+        ("I had a long day today, thanks", None),  # "today" outside a question
+        ("is HTTP/2 faster than HTTP/1.1 in general", None),
+    ],
+)
+def test_user_turns_about_outside_state(text, pattern):
+    m = patterns.load_dir().high.first(text, "user")
+    assert (m.id if m else None) == pattern

@@ -17,6 +17,8 @@ and call_tool do not.
 
 from __future__ import annotations
 
+import contextlib
+
 import asyncio
 import functools
 import logging
@@ -127,6 +129,13 @@ class MetaServer:
                 log.warning("keep_tools of %s left out of tools/list: %s", server, e)
         tools = meta.exposed_tools(self.manager.listings(), self.keep_tools)
         missing = set(self.keep_tools) - {t["name"] for t in tools}
+        for server in dict.fromkeys(key_of(None, name)[0] for name in sorted(missing)):
+            # a listing taken while the server was still starting may lack tools: ask again once
+            with contextlib.suppress(ServerUnavailable):
+                await self.manager.list_tools(server, refresh=True)
+        if missing:
+            tools = meta.exposed_tools(self.manager.listings(), self.keep_tools)
+            missing = set(self.keep_tools) - {t["name"] for t in tools}
         if missing:
             log.warning("keep_tools not listed by their servers now: %s", ", ".join(sorted(missing)))
         return tools
