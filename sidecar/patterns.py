@@ -16,7 +16,6 @@ stalls the gate.
 from __future__ import annotations
 
 import pathlib
-import time
 from collections.abc import Iterable
 
 import msgspec
