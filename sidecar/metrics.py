@@ -256,7 +256,7 @@ class MetricsStore:
     def reset(self, server: str | None = None, tool: str | None = None) -> int:
         """Forget the call history of the matching tools (all when neither is given); returns
         how many tools had totals. Feedback is kept: it is the learning record."""
-        where, params = _match(server, tool)
+        where, params = _where(server=server, tool=tool)
         with self.store.transaction() as db:
             n = db.execute(f"DELETE FROM tool_metrics{where}", params).rowcount
             db.execute(f"DELETE FROM tool_calls{where}", params)
@@ -390,15 +390,8 @@ class MetricsStore:
 
     def feedback(self, variant: str | None = None, agent: str | None = None) -> list[Feedback]:
         sql = "SELECT id, ts, query, recommended, selected, rating, success, latency_ms, agent, variant FROM feedback"
-        where, params = [], []
-        if variant is not None:
-            where.append("variant = ?")
-            params.append(variant)
-        if agent is not None:
-            where.append("agent = ?")
-            params.append(agent)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+        where, params = _where(variant=variant, agent=agent)
+        sql += where
         out = []
         for fid, ts, q, rec, sel, rating, success, lat, ag, var in self.store.query(sql + " ORDER BY id", params):
             out.append(Feedback(q, orjson.loads(rec), sel, rating, None if success is None else bool(success), lat, ag, var, ts, fid))
@@ -415,7 +408,7 @@ class MetricsStore:
     def _select(self, server: str | None, tool: str | None, days: float | None) -> list[ToolMetrics]:
         """Lifetime totals from tool_metrics, or with `days`, the window summed over the raw
         log and the daily roll-ups."""
-        where, params = _match(server, tool)
+        where, params = _where(server=server, tool=tool)
         if days is None:
             rows = self.store.query(
                 f"""SELECT server, tool, call_count, success_count, failure_count, avg_latency_ms, last_error,
@@ -444,15 +437,11 @@ class MetricsStore:
         return _merge(daily, raw)
 
 
-def _match(server: str | None, tool: str | None) -> tuple[str, list]:
-    clauses, params = [], []
-    if server is not None:
-        clauses.append("server = ?")
-        params.append(server)
-    if tool is not None:
-        clauses.append("tool = ?")
-        params.append(tool)
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+def _where(**columns: object) -> tuple[str, list]:
+    """' WHERE a = ? AND b = ?' for the columns given a value (None: any), and the values."""
+    given = {k: v for k, v in columns.items() if v is not None}
+    clause = " WHERE " + " AND ".join(f"{k} = ?" for k in given) if given else ""
+    return clause, list(given.values())
 
 
 def _merge(*sources: Iterable[Sequence]) -> list[ToolMetrics]:
