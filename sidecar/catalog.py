@@ -10,6 +10,8 @@ from typing import Any
 import msgspec
 import orjson
 
+from .jsonl import read_json
+
 SEP = "__"  # server__tool, as MCP gateways name merged tools
 
 
@@ -130,12 +132,7 @@ def load(paths: Sequence[str | pathlib.Path]) -> Catalog:
             files.append(p)
     per_file: list[tuple[str, str, list[Tool]]] = []
     for path in files:
-        try:
-            data = orjson.loads(path.read_bytes())
-        except OSError as e:
-            raise CatalogError(f"{path}: cannot read ({e.strerror})") from None
-        except orjson.JSONDecodeError as e:
-            raise CatalogError(f"{path}: not valid JSON ({e})") from None
+        data = read_json(path, CatalogError)
         server, tools = parse_tools(data, str(path))
         per_file.append((str(path), server or path.stem, tools))
     merge = len(per_file) > 1

@@ -34,6 +34,11 @@ def _common(p: argparse.ArgumentParser, several_models: bool = False) -> None:
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
 
 
+def _print_json(obj: object) -> None:
+    """One JSON document on stdout, newline-terminated (what every `--json` prints)."""
+    sys.stdout.buffer.write(msgspec.json.encode(obj) + b"\n")
+
+
 def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | None = None) -> config_mod.Config:
     return config_mod.load(
         args.config,
@@ -59,7 +64,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if args.json:
         out = msgspec.to_builtins(decision)
         out.update(model=pipe.embedder.name, thresholds=msgspec.to_builtins(pipe.thresholds), thresholds_origin=pipe.thresholds_origin)
-        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+        _print_json(out)
     else:
         print(describe(decision))
     return 0
@@ -79,7 +84,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     rec = Recommender(pipe, metrics, cfg.recommend).recommend(query, Context(agent=args.agent), args.top, args.mode)
     if args.json:
         out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
-        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+        _print_json(out)
         return 0
     print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
     for i, r in enumerate(rec.results, 1):
@@ -99,7 +104,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     listing = MetricsStore(store, cfg.recommend.metrics_retention_days).listing(
         server=args.server, tool=args.tool, failing=args.failing, threshold=cfg.recommend.failing_threshold)
     if args.json:
-        sys.stdout.buffer.write(msgspec.json.encode(listing) + b"\n")
+        _print_json(listing)
         return 0
     if not listing.tools:
         print(f"no tool calls on record in {path}" + (" match" if args.tool or args.server or args.failing else ""))
@@ -129,7 +134,7 @@ def cmd_servers(args: argparse.Namespace) -> int:
 
     status = asyncio.run(run())
     if args.json:
-        sys.stdout.buffer.write(msgspec.json.encode({"servers": status}) + b"\n")
+        _print_json({"servers": status})
         return 0
     print(f"{'server':<24} {'state':<11} {'tools':>5}  {'connected at':<21} {'tools changed at':<21} last error")
     for s in status:
@@ -154,7 +159,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         extra = {str(path): [t.definition() for t in catalog_mod.load([path])] for path in args.catalog or []}
         report = asyncio.run(mcp_server.measure_savings(cfg, extra))
         if args.json:
-            sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
+            _print_json(report)
         else:
             from .mcp.savings import describe as describe_savings
 
@@ -202,7 +207,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recommender = Recommender(pipe, None, cfg.recommend)  # history-neutral: a labelled set has no call history
     report = evaluate.evaluate(pipe, items, baseline=args.baseline, bar=_progress_bar(2 * len(items), "evaluating"), recommender=recommender)
     if args.json:
-        sys.stdout.buffer.write(msgspec.json.encode(report) + b"\n")
+        _print_json(report)
     else:
         print(evaluate.describe(report))
     return 0
@@ -231,7 +236,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         plot.gate_plot(study, args.plot)
     if args.json:
         out = {"matrix": study.matrix, "chosen": study.chosen, "heldout": study.heldout, "candidates": study.candidates}
-        sys.stdout.buffer.write(msgspec.json.encode(out) + b"\n")
+        _print_json(out)
     else:
         print(tune.describe(study))
         if args.out:
@@ -266,7 +271,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         with open(args.out, "wb") as f:
             f.writelines(msgspec.json.encode(d) + b"\n" for d in detections)
     if args.json:
-        sys.stdout.buffer.write(msgspec.json.encode(summary) + b"\n")
+        _print_json(summary)
     else:
         print(replay.describe(summary))
     return 0
@@ -311,7 +316,7 @@ def cmd_model_list(args: argparse.Namespace) -> int:
     for m in present.values():
         rows.append({"name": m.name, "installed": True, "path": m.path, "size": m.size, "default": False, "license": None, "source": "local file"})
     if args.json:
-        sys.stdout.buffer.write(msgspec.json.encode({"dir": str(args.dir or models.models_dir()), "models": rows}) + b"\n")
+        _print_json({"dir": str(args.dir or models.models_dir()), "models": rows})
         return 0
     print(f"models in {args.dir or models.models_dir()}")
     for r in rows:

@@ -26,9 +26,9 @@ import pathlib
 from typing import Any, Literal
 
 import msgspec
-import orjson
 
 from ..catalog import SEP
+from ..jsonl import read_json
 
 TRANSPORTS = ("stdio", "http", "sse")
 
@@ -164,10 +164,4 @@ def parse(data: Any, origin: str = "<config>", base: pathlib.Path | None = None)
 def load(path: str | os.PathLike) -> McpConfig:
     """Read an mcpServers JSON file."""
     path = pathlib.Path(path)
-    try:
-        data = orjson.loads(path.read_bytes())
-    except OSError as e:
-        raise McpConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except orjson.JSONDecodeError as e:
-        raise McpConfigError(f"{path}: not valid JSON ({e})") from None
-    return parse(data, str(path), path.resolve().parent)
+    return parse(read_json(path, McpConfigError), str(path), path.resolve().parent)
