@@ -71,12 +71,25 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     inject_margin: float = 0.05  # also inject runners-up within this score of the best
     max_inject_tools: int = 3
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
+    # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
+    # many the sidecar stops reading its frames until the model thread takes them. A
+    # connection holds at most about 2 x this x max_stream_chars characters of span text
+    # (what waits, and the batch being judged): 256 KiB at the defaults, plus the up to 16
+    # frames the websocket library reads ahead.
+    max_queued_per_connection: int = 256
+    # The longest value of each client-given string kept in the metrics store, in characters
+    # (every row carries them: an uncapped one multiplies the disk it costs).
+    max_agent_chars: int = 128  # hello.agent, on every call and feedback row
+    max_query_chars: int = 1000  # feedback.query
+    max_error_chars: int = 500  # tool_result.error
+    max_name_chars: int = 256  # tool and server names (hello.tools may define long ones)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
         positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "max_connections", "span_words",
-                    "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s")  # fmt: skip
+                    "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
+                    "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")

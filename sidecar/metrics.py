@@ -25,7 +25,7 @@ from .catalog import SEP, Catalog
 from .store import Store
 
 DAY_S = 86400.0
-MAX_ERROR_CHARS = 500
+MAX_ERROR_CHARS = 500  # the default cap of a stored error (StringCaps.error)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tool_metrics (
@@ -149,6 +149,26 @@ class Feedback(msgspec.Struct, frozen=True):
             raise ValueError(f"rating={self.rating} must be within 0..5")
 
 
+class StringCaps(msgspec.Struct, frozen=True):
+    """The longest stored value of each client-given string, in characters. Every row carries
+    them, so an uncapped one multiplies what a client can make the store keep (a 200 KB agent
+    on every call). Longer values are cut, not refused: the record still counts."""
+
+    agent: int = 128
+    query: int = 1000
+    error: int = MAX_ERROR_CHARS
+    name: int = 256  # server, tool, selected, each recommended name, variant
+
+    def __post_init__(self) -> None:
+        for key in self.__struct_fields__:
+            if getattr(self, key) < 1:
+                raise ValueError(f"StringCaps.{key}={getattr(self, key)} must be at least 1")
+
+
+def cut(value: str | None, limit: int) -> str | None:
+    return value[:limit] if value is not None and len(value) > limit else value
+
+
 class RollupStats(msgspec.Struct):
     rows: int  # raw rows folded into tool_metrics_daily (and deleted)
     groups: int
@@ -181,12 +201,13 @@ def _day_start(day: str) -> float:
 
 
 class MetricsStore:
-    def __init__(self, store: Store, retention_days: int = 7, clock=time.time):
+    def __init__(self, store: Store, retention_days: int = 7, clock=time.time, caps: StringCaps | None = None):
         if retention_days < 1:
             raise ValueError(f"metrics_retention_days={retention_days} must be at least 1")
         self.store = store
         self.retention_days = retention_days
         self.clock = clock
+        self.caps = caps or StringCaps()
         store.ensure_schema(SCHEMA)
 
     # --- writes: each one transaction, committed before returning -----------------------
@@ -208,7 +229,9 @@ class MetricsStore:
         ts = self.clock() if ts is None else ts
         if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
             latency_ms = None
-        err = error[:MAX_ERROR_CHARS] if error else None
+        caps = self.caps
+        server, tool, agent = cut(server, caps.name), cut(tool, caps.name), cut(agent, caps.agent)
+        err = cut(error, caps.error) if error else None
         ok = 1 if success else 0
         with self.store.transaction() as db:
             if call_id is not None:
@@ -243,11 +266,14 @@ class MetricsStore:
 
     def record_feedback(self, fb: Feedback) -> int:
         ts = self.clock() if fb.ts is None else fb.ts
+        caps = self.caps
+        recommended = orjson.dumps([cut(name, caps.name) for name in fb.recommended]).decode()
         with self.store.transaction() as db:
             cur = db.execute(
                 "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?)",
-                (ts, fb.query, orjson.dumps(list(fb.recommended)).decode(), fb.selected, fb.rating,
-                 None if fb.success is None else int(fb.success), fb.latency_ms, fb.agent, fb.variant),
+                (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
+                 None if fb.success is None else int(fb.success), fb.latency_ms, cut(fb.agent, caps.agent),
+                 cut(fb.variant, caps.name)),
             )
             if fb.rating is not None:
                 db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")

@@ -8,18 +8,33 @@ A pattern file holds one pattern per line::
 
 Named lists are the `regex` module's ``\\L<name>`` feature, so one verb vocabulary
 serves every pattern without pasting a long alternation into each. A line that does not
-compile stops start-up with ``file:line``. Matching is time-bounded (``timeout=``), so a
-catastrophically backtracking pattern costs at most its budget and is reported, never
-stalls the gate.
+compile stops start-up with ``file:line``, and so does one that repeats a group that
+itself repeats without bound (``(a+)+``, ``(\\w*)*``: catastrophic backtracking).
+
+Each search has a time budget (``timeout=``): `timeout_s` per `BUDGET_CHARS` characters of
+text, since linear patterns take time in proportion to it, up to `MAX_BUDGET_FACTOR` times.
+Negative patterns read the whole text (a negative phrase anywhere blocks); high ones only
+its first `MAX_SCREEN_CHARS` characters (about what the larger model reads: evidence for
+firing comes from the text that is embedded). A search cut off at its budget is counted per
+pattern set, logged once per pattern, and treated as its set says: a negative pattern that
+timed out blocks (fails closed), a high one counts as no match.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
+from collections import Counter
 from collections.abc import Iterable
 
 import msgspec
 import regex
+
+log = logging.getLogger("sidecar.patterns")
+
+MAX_SCREEN_CHARS = 8192  # what high patterns read of a text (nomic-embed reads 2,048 tokens, ~8k chars)
+BUDGET_CHARS = 2048  # the time budget covers this many characters; a longer text gets it pro rata ...
+MAX_BUDGET_FACTOR = 50  # ... up to this many times (1 s at the default 20 ms, for 100k characters)
 
 SOURCES = ("user", "llm")
 PATTERNS_DIR = pathlib.Path(__file__).resolve().parent.parent / "patterns"
@@ -44,32 +59,61 @@ class Match(msgspec.Struct, frozen=True):
     text: str
     start: int
     end: int
+    timed_out: bool = False  # a fail-closed set's search hit its budget: an empty match at 0
 
 
 class PatternSet:
-    """An ordered list of compiled patterns with a per-search time budget."""
+    """An ordered list of compiled patterns with a per-search time budget. `fail_closed`:
+    a search that hits the budget counts as a match (negative patterns: when in doubt, block)."""
 
-    def __init__(self, patterns: Iterable[Pattern], timeout_s: float = 0.02):
+    def __init__(self, patterns: Iterable[Pattern], timeout_s: float = 0.02, *, name: str = "patterns",
+                 fail_closed: bool = False, max_chars: int | None = None):  # fmt: skip
         self.patterns = tuple(patterns)
         self.timeout_s = timeout_s
-        self.timeouts = 0  # searches abandoned at the budget, for metrics
+        self.name = name
+        self.fail_closed = fail_closed
+        self.max_chars = max_chars  # read only this head of a text (None: all of it)
+        self.timeouts = 0  # searches abandoned at the budget, for /metrics
+        self.timeouts_by_id: Counter[str] = Counter()
+        self._logged: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.patterns)
 
+    def budget_s(self, chars: int) -> float:
+        """The time one search of a `chars`-long text may take: linear patterns take time in
+        proportion to the text, so the budget does too, up to a bound."""
+        return self.timeout_s * min(max(1.0, chars / BUDGET_CHARS), MAX_BUDGET_FACTOR)
+
     def first(self, text: str, source: str) -> Match | None:
-        """The first pattern (file order) matching `text`, or None."""
+        """The first pattern (file order) matching `text` (its head, with `max_chars`), or None."""
+        if self.max_chars is not None:
+            text = text[:self.max_chars]
+        budget = self.budget_s(len(text))
         for p in self.patterns:
             if source not in p.sources:
                 continue
             try:
-                m = p.regex.search(text, timeout=self.timeout_s)
+                m = p.regex.search(text, timeout=budget)
             except TimeoutError:
-                self.timeouts += 1
+                self._timed_out(p, len(text), budget)
+                if self.fail_closed:
+                    return Match(p.id, "", 0, 0, timed_out=True)
                 continue
             if m:
                 return Match(p.id, m.group(0), m.start(), m.end())
         return None
+
+    def _timed_out(self, p: Pattern, chars: int, budget: float) -> None:
+        """Count it; say it once per pattern (a log line per text would flood the log)."""
+        self.timeouts += 1
+        self.timeouts_by_id[p.id] += 1
+        if p.id not in self._logged:
+            self._logged.add(p.id)
+            verdict = "treated as a match (blocks)" if self.fail_closed else "treated as no match"
+            log.warning("%s pattern %r (%s) hit its %.0f ms budget on a %d-char text: %s; "
+                        "further timeouts of it are only counted (sidecar_regex_timeouts_total)",
+                        self.name, p.id, p.origin, budget * 1000, chars, verdict)  # fmt: skip
 
 
 def parse(text: str, origin: str, lists: dict[str, list[str]] | None = None) -> tuple[list[Pattern], dict[str, list[str]]]:
@@ -108,6 +152,10 @@ def parse(text: str, origin: str, lists: dict[str, list[str]] | None = None) -> 
             compiled = regex.compile(rest, _FLAGS, **{k: lists[k] for k in used})
         except regex.error as e:
             raise PatternError(f"{where}: {e}") from None
+        if nested := nested_quantifier(rest):
+            raise PatternError(f"{where}: nested quantifier {nested!r}: a group that repeats without bound is itself "
+                               "repeated without bound (catastrophic backtracking); bound one ({1,N}), or make it "
+                               "possessive (++, *+) or atomic ((?>...))")  # fmt: skip
         patterns.append(Pattern(pid, compiled, sources, where))
     return patterns, lists
 
@@ -139,4 +187,90 @@ def load_dir(directory: pathlib.Path | str = PATTERNS_DIR, timeout_s: float = 0.
         sets[name], lists = parse(text, str(path), lists)
     if sets["lists"]:
         raise PatternError(f"{directory / 'lists.txt'}: holds only @lists, found pattern {sets['lists'][0].id!r}")
-    return GatePatterns(PatternSet(sets["negative"], timeout_s), PatternSet(sets["high"], timeout_s))
+    return GatePatterns(PatternSet(sets["negative"], timeout_s, name="negative", fail_closed=True),
+                        PatternSet(sets["high"], timeout_s, name="high", max_chars=MAX_SCREEN_CHARS))  # fmt: skip
+
+
+# The nested-quantifier lint ---------------------------------------------------------------
+
+_UNBOUNDED = regex.compile(r"[*+]|\{\d*,\}")  # a quantifier with no upper bound
+_QUANTIFIER = regex.compile(r"(?:[*+?]|\{\d*(?:,\d*)?\})([+?]?)")
+
+
+class _Group:
+    """A group being scanned: where it opened, and whether something inside it repeats
+    without bound (atomic groups never backtrack into themselves, so they do not count)."""
+
+    def __init__(self, start: int, atomic: bool):
+        self.start = start
+        self.atomic = atomic
+        self.repeats = False
+
+
+def nested_quantifier(src: str) -> str | None:
+    """The first group in a regex that repeats without bound and holds something that also
+    repeats without bound (``(a+)+``, ``(?:\\w*\\s)*``), as written; None when there is none.
+    Possessive quantifiers (``a++``) do not backtrack and do not count."""
+    stack: list[_Group] = [_Group(0, False)]
+    i = 0
+    while i < len(src):
+        c = src[i]
+        group: _Group | None = None
+        if c == "\\":
+            i = _skip_escape(src, i)
+        elif c == "[":
+            i = _skip_class(src, i)
+        elif c == "(":
+            if src.startswith("(?#", i):
+                i = src.find(")", i) + 1 or len(src)
+                continue
+            stack.append(_Group(i, src.startswith("(?>", i)))
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            group = stack.pop()
+            i += 1
+        else:
+            i += 1
+        q = _QUANTIFIER.match(src, i)
+        if q is None:
+            if group is not None and group.repeats and not group.atomic:
+                stack[-1].repeats = True
+            continue
+        unbounded = _UNBOUNDED.match(q.group(0)) is not None and q.group(1) != "+"
+        if group is not None and unbounded and group.repeats and not group.atomic:
+            return src[group.start:q.end()]
+        if unbounded or (group is not None and group.repeats and not group.atomic):
+            stack[-1].repeats = True
+        i = q.end()
+    return None
+
+
+def _skip_escape(src: str, i: int) -> int:
+    """Past one escape: \\L<name>, \\p{...}, \\N{...}, or a backslash and one character."""
+    nxt = src[i + 1:i + 2]
+    if nxt == "L" and src.startswith("<", i + 2):
+        return src.find(">", i) + 1 or len(src)
+    if nxt in ("p", "P", "N", "x", "u", "U") and src.startswith("{", i + 2):
+        return src.find("}", i) + 1 or len(src)
+    return i + 2
+
+
+def _skip_class(src: str, i: int) -> int:
+    """Past a character class (nested classes and set operations included)."""
+    depth, i = 1, i + 1
+    if src.startswith("^", i):
+        i += 1
+    if src.startswith("]", i):
+        i += 1
+    while i < len(src) and depth:
+        c = src[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        i += 1
+    return i

@@ -8,13 +8,17 @@ exception deep inside the server.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 VERSION = 1  # protocol version: sent in `ready`, checked against `hello.version`
+MAX_REF_CHARS = 128  # a ref is a correlation id, stored with the call: not a payload
+MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels deep)
 
-Ref = str | int  # a client's correlation id, echoed in `ack` and `error`
+# A client's correlation id, echoed in `ack` and `error`: a short string or a 64-bit integer.
+Ref = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)] | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ProtocolError(ValueError):
@@ -182,13 +186,21 @@ _encoder = msgspec.json.Encoder()
 
 
 class _Envelope(msgspec.Struct):
-    """Just enough of any frame to say what was wrong with it."""
+    """Just enough of any frame to say what was wrong with it. `ref` stays raw JSON: a ref
+    that is itself the problem (a 4,300-digit number) must not hide the frame's type."""
 
-    type: Any = msgspec.UNSET
-    ref: Any = None
+    type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    ref: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
 _envelope = msgspec.json.Decoder(_Envelope)
+_ref = msgspec.json.Decoder(Ref)
+_type = msgspec.json.Decoder(str)
+_json = msgspec.json.Decoder()  # any JSON: tells a truncated array from a valid non-object
+
+# What decoding untrusted bytes can raise besides msgspec's own errors: invalid UTF-8 inside a
+# JSON string (UnicodeDecodeError, a ValueError) and nesting deeper than the recursion limit.
+_DECODE_FAILURES = (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError)
 
 
 def encode(msg: ClientMessage | ServerMessage) -> bytes:
@@ -196,11 +208,45 @@ def encode(msg: ClientMessage | ServerMessage) -> bytes:
 
 
 def decode_client(frame: str | bytes) -> ClientMessage:
-    """A client frame as a typed message, or ProtocolError naming what is wrong."""
+    """A client frame as a typed message, or ProtocolError naming what is wrong. Never
+    raises anything else: a frame is untrusted input, and an exception here would close
+    the connection with 1011."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        try:
+            frame = bytes(frame).decode("utf-8")  # a binary frame: the text-frame rule, checked here
+        except UnicodeDecodeError as e:
+            raise ProtocolError("bad_json", f"malformed JSON: not valid UTF-8 at byte {e.start}") from None
+    if too_deep(frame):
+        raise ProtocolError("bad_json", f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} levels")
     try:
         return _client.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_FAILURES as e:
         raise _explain(frame, e) from None
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_SQUARE = str.maketrans("{}", "[]")
+
+
+def too_deep(frame: str) -> bool:
+    """Whether a JSON text nests deeper than MAX_DEPTH, or its brackets (outside strings) do
+    not balance. A fixed limit, checked before decoding, answers alike whatever the caller's
+    stack: decoders that recurse fail near the interpreter's recursion limit, which depends
+    on it. Linear, at C speed: each round drops the innermost bracket pairs."""
+    if frame.count("[") + frame.count("{") <= MAX_DEPTH:  # the common case
+        return False
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", frame)).translate(_SQUARE)
+    if "[" * (MAX_DEPTH + 1) in brackets:
+        return True
+    for _ in range(MAX_DEPTH):
+        inner = brackets.replace("[]", "")
+        if not inner:
+            return False
+        if inner == brackets:  # no pair left to drop: unbalanced
+            return True
+        brackets = inner
+    return True
 
 
 def decode_server(frame: str | bytes) -> ServerMessage:
@@ -214,20 +260,63 @@ def decode_server(frame: str | bytes) -> ServerMessage:
 def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
     """Turn msgspec's error into one of: bad_json, bad_message, unknown_type, missing_field,
     invalid_field. Only failed frames pay for this second look."""
+    if isinstance(err, RecursionError):
+        return ProtocolError("bad_json", "malformed JSON: nested too deeply")
     try:
         env = _envelope.decode(frame)
-    except msgspec.ValidationError:  # (a subclass of DecodeError) valid JSON, not an object
-        return ProtocolError("bad_message", 'a message is a JSON object with a "type" field')
-    except msgspec.DecodeError as e:
+    except msgspec.ValidationError:  # (a subclass of DecodeError) well-formed so far, not an object
+        return _not_an_object(frame)
+    except RecursionError:
+        return ProtocolError("bad_json", "malformed JSON: nested too deeply")
+    except (msgspec.DecodeError, ValueError) as e:
         return ProtocolError("bad_json", f"malformed JSON: {e}")
-    ref = env.ref if isinstance(env.ref, (str, int)) and not isinstance(env.ref, bool) else None
-    if env.type is msgspec.UNSET:
+    ref = _ref_of(env.ref)
+    if not env.type:
         return ProtocolError("missing_field", 'message has no "type" field', ref)
-    if not isinstance(env.type, str) or env.type not in CLIENT_TYPES:
+    kind = _type_of(env.type)
+    if kind not in CLIENT_TYPES:
         known = ", ".join(CLIENT_TYPES)
-        return ProtocolError("unknown_type", f"unknown message type {env.type!r} (known: {known})", ref)
+        shown = repr(kind) if kind is not None else bytes(env.type).decode("utf-8", "replace")
+        return ProtocolError("unknown_type", f"unknown message type {_short(shown, quote=False)} (known: {known})", ref)
     text = str(err)
     if text.startswith("Object missing required field"):
         field = text.split("`")[1] if "`" in text else "?"
-        return ProtocolError("missing_field", f"{env.type}: missing required field {field!r}", ref)
-    return ProtocolError("invalid_field", f"{env.type}: {text.replace('$.', '')}", ref)
+        return ProtocolError("missing_field", f"{kind}: missing required field {field!r}", ref)
+    return ProtocolError("invalid_field", f"{kind}: {_short(text.replace('$.', ''), quote=False)}", ref)
+
+
+def _not_an_object(frame: str | bytes) -> ProtocolError:
+    """A frame that did not start with an object: bad_json when it is not JSON either
+    (`[1,2`: the envelope gave up at the first token, before the truncation)."""
+    try:
+        _json.decode(frame)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        return ProtocolError("bad_json", f"malformed JSON: {_short(str(e), quote=False)}")
+    return ProtocolError("bad_message", 'a message is a JSON object with a "type" field')
+
+
+def _type_of(raw: msgspec.Raw) -> str | None:
+    """The frame's "type" when it is a string."""
+    try:
+        return _type.decode(raw)
+    except _DECODE_FAILURES:
+        return None
+
+
+def _ref_of(raw: msgspec.Raw) -> Ref | None:
+    """The frame's `ref` if it is a valid one (to echo in the error), else None."""
+    if not raw:
+        return None
+    try:
+        return _ref.decode(raw)
+    except _DECODE_FAILURES:
+        return None
+
+
+MAX_ECHO_CHARS = 200  # of a client's value quoted back in an error message
+
+
+def _short(value: Any, quote: bool = True) -> str:
+    """A client's value for an error message, cut: an error must not echo a megabyte back."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= MAX_ECHO_CHARS else text[:MAX_ECHO_CHARS] + "..."

@@ -10,6 +10,9 @@ Concurrency, in one place:
   `ended` after the batch that holds the stream's last spans is delivered;
 - each connection has a bounded outbox drained by its own writer task, so a client that
   stops reading stalls only itself (and is closed with 1013 when its outbox is full);
+- each connection has a quota of queued work (spans, `end`s, store writes): at the quota its
+  frames are not read until the dispatcher takes its work (backpressure), so a client that
+  floods frames costs bounded memory;
 - tool_result / feedback go to the MetricsStore on a store thread and are acknowledged
   after commit; a periodic task rolls the raw call log up once a day.
 
@@ -22,6 +25,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import secrets
 import signal
 import time
 from collections import OrderedDict
@@ -42,7 +46,7 @@ from . import protocol as p
 from .catalog import Catalog
 from .config import Config
 from .gate import Decision
-from .metrics import Feedback, MetricsStore, key_of
+from .metrics import Feedback, MetricsStore, StringCaps, key_of
 from .pending import REASONS, Pending
 from .recommend.recommender import Recommender
 from .session import (
@@ -83,22 +87,67 @@ class Metrics:
         self.load = m.Gauge("sidecar_model_load_seconds", "Time to load the model and build the index.")
         self.cpu = m.Gauge("process_cpu_seconds_total", "CPU time of the whole process (all threads).", read=time.process_time)
         self.cpu.kind = "counter"  # read from the OS, but a counter to Prometheus
+        self.regex_timeouts = m.Counter("sidecar_regex_timeouts_total",
+                                        "Pattern searches cut off at their time budget, by pattern set (a negative one blocks).",
+                                        ("set",))  # fmt: skip
+        for name in ("negative", "high"):
+            self.regex_timeouts.inc(name, by=0)
+        self._server = server
 
     def render(self) -> str:
+        self._read_regex_timeouts()
         families = [self.frames, self.detections, self.injections, self.latency, self.batch, self.dropped, self.errors,
-                    self.events, self.queue, self.conns, self.ready, self.load, self.cpu]  # fmt: skip
+                    self.events, self.queue, self.conns, self.ready, self.load, self.cpu, self.regex_timeouts]  # fmt: skip
         return m.render(families)
+
+    def _read_regex_timeouts(self) -> None:
+        """Counted on the model thread by the pattern sets (shared by every session's pipeline)."""
+        pats = getattr(self._server.pipeline, "patterns", None)
+        for ps in (pats.negative, pats.high) if pats is not None else ():
+            self.regex_timeouts.values[(ps.name,)] = float(ps.timeouts)
 
 
 class Connection:
-    """One client: its session and its outbox."""
+    """One client: its session, its outbox, and the work it has queued (its quota)."""
 
-    def __init__(self, ws: ServerConnection, session: Session, metrics: Metrics):
+    def __init__(self, ws: ServerConnection, session: Session, metrics: Metrics, quota: int):
         self.ws = ws
         self.session = session
         self.metrics = metrics
+        # The server's name for this connection, which scopes its records: hello.session is
+        # chosen by the client, so another client may claim the same one.
+        self.id = secrets.token_hex(8)
+        self.quota = quota
+        self.backlog = 0  # spans and `end`s queued since the dispatcher last took the queue
+        self.records = 0  # tool_result / feedback writes not yet committed
+        self._room = asyncio.Event()
+        self._throttle = True
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX)
         self.writer = asyncio.create_task(self._write())
+
+    def over_quota(self) -> bool:
+        return self._throttle and self.backlog + self.records >= self.quota
+
+    async def room(self) -> None:
+        """Return once this connection's queued work is under its quota: until then its
+        frames stay unread (in websockets' small buffer, then in TCP): backpressure."""
+        while self.over_quota():
+            self._room.clear()
+            await self._room.wait()
+
+    def taken(self) -> None:
+        """The dispatcher took everything queued: the backlog is the model thread's now."""
+        self.backlog = 0
+        self._room.set()
+
+    def recorded(self) -> None:
+        self.records -= 1
+        self._room.set()
+
+    def unthrottle(self) -> None:
+        """Shutting down: let a paused reader run to its end."""
+        self._throttle = False
+        self._room.set()
 
     def send(self, msg: p.ServerMessage) -> None:
         try:
@@ -157,7 +206,10 @@ class SidecarServer:
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
         self._session_pipes: OrderedDict[tuple, tuple[Any, Recommender]] = OrderedDict()
-        self._ending: list[tuple[Session, str]] = []  # `end`s waiting for the next batch
+        # `end`s waiting for the next batch, as a count per stream: repeated `end`s of one
+        # stream cost one entry (and each counts against its connection's quota)
+        self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
+        self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._records: set[asyncio.Task] = set()
         self._busy = False
         self._ws: Server | None = None
@@ -215,7 +267,9 @@ class SidecarServer:
         due, then checked hourly)."""
         self.store = self.store or pipe.store
         if self.store is not None:
-            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days)
+            lim = self.limits
+            caps = StringCaps(agent=lim.max_agent_chars, query=lim.max_query_chars, error=lim.max_error_chars, name=lim.max_name_chars)
+            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days, caps=caps)
             await asyncio.to_thread(self.history.rollup_if_due)
             self._tasks.append(asyncio.create_task(self._rollups()))
         self.recommender = Recommender(pipe, self.history, self.cfg.recommend)
@@ -281,11 +335,13 @@ class SidecarServer:
         if len(self.connections) >= self.limits.max_connections:
             await ws.close(1013, "too many connections")
             return
-        conn = Connection(ws, Session(self.limits, self.pipeline.catalog, self.pipeline, self.recommender), self.metrics)
+        session = Session(self.limits, self.pipeline.catalog, self.pipeline, self.recommender)
+        conn = Connection(ws, session, self.metrics, self.limits.max_queued_per_connection)
         self.connections[conn.session] = conn
         try:
             async for frame in ws:
                 await self._on_frame(conn, frame)
+                await conn.room()
         except ConnectionClosed:
             pass  # e.g. 1009 for an oversized frame: websockets already closed it
         finally:
@@ -294,6 +350,8 @@ class SidecarServer:
             conn.stop()
 
     async def _on_frame(self, conn: Connection, frame: str | bytes) -> None:
+        """Answer one frame. Never raises: an exception escaping here would close the
+        connection with 1011, so whatever a frame holds, it gets an `error` at worst."""
         now = time.perf_counter()
         try:
             msg = p.decode_client(frame)
@@ -301,18 +359,22 @@ class SidecarServer:
             self.metrics.frames.inc("in", "invalid")
             conn.send(p.Error(e.code, e.message, e.ref))
             return
+        except Exception as e:  # decode_client raises only ProtocolError: a bug, reported as one
+            log.exception("decoding a frame failed")
+            self.metrics.frames.inc("in", "invalid")
+            conn.send(p.Error("internal", f"decoding the frame failed: {type(e).__name__}"))
+            return
         kind = type(msg).__struct_config__.tag
         self.metrics.frames.inc("in", kind)
         s = conn.session
         try:
             if isinstance(msg, p.Token):
-                self._queue(s.on_token(msg.stream, msg.delta, now))
+                self._queue(conn, s.on_token(msg.stream, msg.delta, now))
             elif isinstance(msg, p.User):
-                self._queue(s.on_user(msg.stream, msg.text, now))
+                self._queue(conn, s.on_user(msg.stream, msg.text, now))
             elif isinstance(msg, p.End):
-                self._queue(s.on_end(msg.stream, now))
-                self._ending.append((s, msg.stream))
-                self._wake.set()
+                self._queue(conn, s.on_end(msg.stream, now))
+                self._end(conn, msg.stream)
             elif isinstance(msg, p.Ping):
                 conn.send(p.Pong())
             elif isinstance(msg, p.Hello):
@@ -360,9 +422,10 @@ class SidecarServer:
         if self.history is None:
             raise p.ProtocolError("store_failed", "this sidecar has no store")
         if isinstance(msg, p.ToolResult):
-            write = functools.partial(self._store_call, s, msg)
+            write = functools.partial(self._store_call, conn, msg)
         else:
             write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref)
+        conn.records += 1
         task = asyncio.create_task(self._commit(conn, type(msg).__struct_config__.tag, write, msg.ref))
         self._records.add(task)
         task.add_done_callback(self._records.discard)
@@ -374,13 +437,17 @@ class SidecarServer:
             log.exception("recording a %s failed", kind)
             conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
             return
+        finally:
+            conn.recorded()
         self.metrics.events.inc(kind)
         conn.send(ack)
 
-    def _store_call(self, s: Session, msg: p.ToolResult) -> p.Ack:
+    def _store_call(self, conn: Connection, msg: p.ToolResult) -> p.Ack:
         """On a store thread: the call, committed; for a failed one, the stand-ins."""
+        s = conn.session
         server, tool = key_of(s.catalog, msg.tool)
-        row = self.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent, call_id=call_id(s, msg.ref))
+        row = self.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent,
+                                       call_id=call_id(conn.id, msg.ref))  # fmt: skip
         if msg.ok or s.recommender is None:
             return p.Ack(msg.ref, row)
         return p.Ack(msg.ref, row, s.recommender.fallbacks(msg.tool, s.context) or None)
@@ -390,11 +457,22 @@ class SidecarServer:
 
     # Evaluation -----------------------------------------------------------------------
 
-    def _queue(self, evaluations: list[Evaluation]) -> None:
+    def _queue(self, conn: Connection, evaluations: list[Evaluation]) -> None:
         if self.closing or not evaluations:
             return
         for ev in evaluations:
             self.pending.put(ev)
+        self._owe(conn, len(evaluations))
+
+    def _end(self, conn: Connection, stream: str) -> None:
+        """An `ended` is owed once the spans queued before this `end` are delivered."""
+        key = (conn.session, stream)
+        self._ending[key] = self._ending.get(key, 0) + 1
+        self._owe(conn, 1)
+
+    def _owe(self, conn: Connection, n: int) -> None:
+        conn.backlog += n
+        self._backlogged.add(conn)
         self._wake.set()
 
     async def _dispatch(self) -> None:
@@ -405,13 +483,15 @@ class SidecarServer:
             # Taken together: every span queued before these `end`s is in this batch or was
             # in the one delivered before, so `ended` may follow this batch (nothing can drop it).
             batch = [ev for ev in self.pending.take(time.perf_counter()) if not ev.session.closed]
-            ending, self._ending = self._ending, []
+            ending, self._ending = self._ending, OrderedDict()
+            self._release_backlogs()
             self._count_drops()
             if batch:
                 await self._judge(loop, batch)
-            for session, stream in ending:
+            for (session, stream), n in ending.items():
                 if (conn := self.connections.get(session)) is not None:
-                    conn.send(p.Ended(stream))
+                    for _ in range(n):
+                        conn.send(p.Ended(stream))
             if len(self.pending):
                 self._wake.set()
 
@@ -443,6 +523,12 @@ class SidecarServer:
         if ev.session.hello is not None and ev.session.hello.decisions:
             conn.send(report(ev, d))
 
+    def _release_backlogs(self) -> None:
+        """Everything queued was just taken: paused connections may be read again."""
+        for conn in self._backlogged:
+            conn.taken()
+        self._backlogged.clear()
+
     def _count_drops(self) -> None:
         for reason, n in self.pending.dropped.items():
             self.metrics.dropped.values[(reason,)] = float(n)
@@ -459,6 +545,8 @@ class SidecarServer:
         self._ws.server.close()  # stop listening; handshakes in flight get 503
         while (len(self.pending) or self._busy or self._records or self._ending) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        for c in self.connections.values():
+            c.unthrottle()
         flushes = [asyncio.create_task(c.outbox.join()) for c in self.connections.values()]
         if flushes:
             await asyncio.wait(flushes, timeout=max(0.1, deadline - time.monotonic()))
@@ -476,10 +564,12 @@ class SidecarServer:
                 log.exception("store checkpoint failed")
 
 
-def call_id(s: Session, ref: p.Ref | None) -> str | None:
-    """A tool_result's id for the call log, from its `ref` within the session: a result resent
-    with the same ref is counted once (the ref's JSON keeps 7 and "7" apart)."""
-    return None if ref is None else f"{s.hello.session}\x1f{msgspec.json.encode(ref).decode()}"
+def call_id(connection: str, ref: p.Ref | None) -> str | None:
+    """A tool_result's id for the call log, from its `ref` within the connection: a result
+    resent with the same ref is counted once (the ref's JSON keeps 7 and "7" apart). Scoped by
+    the server's connection id, not the client-chosen hello.session, so no other client can
+    claim (or pre-empt) this one's refs."""
+    return None if ref is None else f"{connection}\x1f{msgspec.json.encode(ref).decode()}"
 
 
 def feedback_of(s: Session, msg: p.Feedback) -> Feedback:
@@ -504,8 +594,8 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
     """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
     Returns the exit status (2 when the model or index cannot be loaded)."""
     server = SidecarServer(cfg, catalog=catalog, store=store, progress=True)
-    await server.start()
-    announce(f"listening on {server.url} (loading {cfg.model.name})")
+    await server.start()  # binds (so /healthz can say 503 while loading), then loads
+    announce(f"loading {cfg.model.name}")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -517,9 +607,10 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
     if server.load_error is not None:
         announce(f"error: {server.load_error}")
         status = 2
-    elif server.pipeline is not None:
+    elif server.pipeline is not None:  # only now, with everything loaded, does it say where it listens
         pipe = server.pipeline
-        announce(f"ready: model {pipe.embedder.name}, {len(pipe.catalog)} tools, loaded in {server.metrics.load.get():.1f} s")
+        announce(f"listening on {server.url} (model {pipe.embedder.name}, {len(pipe.catalog)} tools, "
+                 f"loaded in {server.metrics.load.get():.1f} s)")  # fmt: skip
         await stopping
     announce("shutting down")
     await server.shutdown()

@@ -179,3 +179,19 @@ def test_acknowledged_calls_survive_kill_9(tmp_path):
     m = ms.tool("fs", "write_file")
     assert m.call_count >= len(acked) and m.call_count == len(ids)  # totals moved in the same transactions
     assert m.success_count + m.failure_count == m.call_count
+
+
+def test_stored_strings_are_cut_to_their_caps(tmp_path, clock):
+    from sidecar.metrics import StringCaps
+
+    ms = MetricsStore(Store(tmp_path / "caps.db"), clock=clock, caps=StringCaps(agent=8, query=10, error=12, name=16))
+    rid = ms.record_call("s" * 100, "t" * 100, False, 1.0, "e" * 1000, agent="a" * 1000, call_id="c")
+    fid = ms.record_feedback(Feedback(query="q" * 1000, recommended=["r" * 100, "x"], selected="r" * 100, agent="a" * 1000, variant="v" * 100))
+    db = ms.store
+    assert db.query("SELECT length(server), length(tool), length(agent), length(error) FROM tool_calls WHERE id=?", (rid,)) == [(16, 16, 8, 12)]
+    assert db.query("SELECT length(last_error) FROM tool_metrics") == [(12,)]
+    [fb] = ms.feedback()
+    assert (fb.id, len(fb.query), fb.recommended, len(fb.selected), len(fb.agent), len(fb.variant)) == (fid, 10, ["r" * 16, "x"], 16, 8, 16)
+    assert MetricsStore(Store(tmp_path / "d.db")).caps == StringCaps()  # defaults everywhere else
+    with pytest.raises(ValueError, match="StringCaps.query=0"):
+        StringCaps(query=0)

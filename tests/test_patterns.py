@@ -129,3 +129,75 @@ def test_llm_narration_in_the_present(text, fires):
 def test_user_turns_about_outside_state(text, pattern):
     m = patterns.load_dir().high.first(text, "user")
     assert (m.id if m else None) == pattern
+
+
+# Regex safety (issue 13 F) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("regex_src", [r"(a+)+b", r"x(\w*)*", r"(?:\w+\s)+$", r"((ab)+c)*", r"(a*){2,}"])
+def test_nested_quantifiers_are_refused_at_load_with_file_and_line(tmp_path, regex_src):
+    d = write_dir(tmp_path, negative=f"# comment\nok \\bfine\\b\nevil {regex_src}\n")
+    with pytest.raises(PatternError, match="nested quantifier") as e:
+        patterns.load_dir(d)
+    assert str(e.value).startswith(f"{d / 'negative.txt'}:3:")
+
+
+@pytest.mark.parametrize("regex_src", [r"([\w.-]+\s+){0,3}x", r"(a|aa)+", r"(a++)+", r"(?>a+)+", r"(a+)?", r"[(a+)]+", r"\(a+\)+"])
+def test_bounded_possessive_or_atomic_repetition_is_not_a_nested_quantifier(regex_src):
+    assert patterns.nested_quantifier(regex_src) is None
+
+
+def test_a_timeout_on_a_negative_pattern_blocks_and_is_counted_and_logged_once(caplog):
+    evil, _ = parse("evil (a|aa)+$\nfine \\bslow\\b\n", "neg.txt")
+    high, _ = parse("evil_high (a|aa)+$\nplease \\bplease\\b\n", "high.txt")
+    neg = PatternSet(evil, timeout_s=0.005, name="negative", fail_closed=True)
+    hi = PatternSet(high, timeout_s=0.005, name="high")
+    both = patterns.GatePatterns(neg, hi)
+    text = "please do it " + "a" * 40 + "b"
+    with caplog.at_level("WARNING", logger="sidecar.patterns"):
+        for _ in range(3):
+            s = gate.screen(text, "user", both)
+            assert s.path == "negative:evil" and s.blocked and s.match.timed_out  # failed closed
+        assert hi.first(text, "user").id == "please"  # a high one that timed out is no match
+    assert (neg.timeouts, neg.timeouts_by_id["evil"]) == (3, 3) and hi.timeouts == 1
+    said = [r.getMessage() for r in caplog.records if "evil" in r.getMessage()]
+    assert len(said) == 2 and "neg.txt:1" in said[0] and "blocks" in said[0]  # once per pattern id
+
+
+ADVERSARIAL = {
+    "a-": "a-" * 50_000,  # names_artifact was quadratic on this: 7.7 s
+    "AB-1x": "AB-1x" * 20_000,
+    "select": "select " * 15_000,  # sql_dml was quadratic on this
+    "how does": "how does " * 11_000,
+    "use": "use " * 25_000,
+    "file a-": "file a-" * 14_000,
+    "words": "the quick brown fox jumps over the lazy dog. " * 2_200,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_shipped_patterns_screen_100k_adversarial_characters_within_the_default_budget(name):
+    """Every shipped pattern is linear: on 100k characters built to make super-linear ones
+    backtrack, none reaches the default budget (a timeout would count, and block)."""
+    P = patterns.load_dir()  # default 20 ms per 2,048 characters
+    text = ADVERSARIAL[name]
+    for source in ("user", "llm"):
+        for ps in (P.negative, P.high):
+            for p in ps.patterns:
+                PatternSet([p], ps.timeout_s, name=ps.name, max_chars=ps.max_chars).first(text, source)
+    t0 = time.perf_counter()
+    gate.screen(text, "user", P)
+    elapsed = time.perf_counter() - t0
+    assert (P.negative.timeouts, P.high.timeouts) == (0, 0)
+    assert elapsed < P.negative.budget_s(len(text))  # the whole screen, all patterns, under one search's budget
+
+
+def test_names_artifact_still_finds_what_it_did():
+    [pat] = [p for p in patterns.load_dir().high.patterns if p.id == "names_artifact"]
+    high = PatternSet([pat])
+    for text, found in [("open src/config/settings.py now", "settings.py"), ("see my.config.json", "config.json"),
+                        ("look at a-b_c.tsx", "a-b_c.tsx"), ("what's the status of PROJ-1423?", "PROJ-1423"),
+                        ("which files does PR #482 touch?", "#482"), ("what did commit a1b2c3d change?", "commit a1b2c3d"), ("is a1b2c3d the fix?", "a1b2c3d"),
+                        ("port 3000 is busy", "port 3000")]:  # fmt: skip
+        m = high.first(text, "user")
+        assert m is not None and m.id == "names_artifact" and m.text == found, (text, m)
