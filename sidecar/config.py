@@ -83,6 +83,28 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_query_chars: int = 1000  # feedback.query
     max_error_chars: int = 500  # tool_result.error
     max_name_chars: int = 256  # tool and server names (hello.tools may define long ones)
+    # Fairness between connections (issue 13 D). The model thread judges one batch at a time;
+    # a batch takes spans round-robin, one per connection in turn, and stops at
+    # max_batch_spans or at about max_batch_ms of estimated work (the model's measured cost
+    # per character), so another connection's span waits at most about one batch.
+    max_batch_spans: int = 64
+    max_batch_ms: float = 250.0
+    # hello.tools may define at most this many new tools; they are embedded on the model
+    # thread catalog_slice_tools at a time, between batches, so other sessions' spans are not
+    # held behind a big catalog.
+    max_hello_tools: int = 128
+    catalog_slice_tools: int = 8
+    # Delivery (issue 13 C): at outbox_messages queued for a client the sidecar stops reading
+    # its frames until it drains (flow control; the messages already produced still go out).
+    # A client that takes no message for send_timeout_s while messages wait is closed with 1013.
+    # The outbox stays under outbox_messages + 4 x max_queued_per_connection + 64 messages
+    # (what the work already read can still produce); reaching that also closes with 1013.
+    outbox_messages: int = 1024
+    send_timeout_s: float = 10.0
+    # Store contention (issue 13 J): a tool_result / feedback write waits at most this long for
+    # SQLite's write lock (held by another process on the same file), retrying in short slices
+    # without blocking the model thread's reads; past it the client gets `store_busy`.
+    store_busy_timeout_ms: float = 2000.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -99,12 +121,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"server.inject_margin={self.inject_margin} must be within 0..1")
         if self.token is not None and not self.token.strip():
             raise ValueError("server.token is empty: unset it or give a secret")
+        for key in ("max_batch_spans", "max_batch_ms", "max_hello_tools", "catalog_slice_tools", "outbox_messages",
+                    "send_timeout_s", "store_busy_timeout_ms"):  # fmt: skip
+            if getattr(self, key) <= 0:
+                raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
 
 
 class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
     """The recommender and the metrics it learns from (`sidecar recommend`, `sidecar metrics`)."""
 
-    mode: Literal["semantic", "lexical", "hybrid"] = "hybrid"
+    mode: Literal["semantic", "lexical", "hybrid"] = "semantic"  # semantic: the pipeline's fitted blend, BM25 included
     top: int = 5
     weights: Weights = msgspec.field(default_factory=Weights)  # relevance, success, popularity, performance, rating
     variants: dict[str, Weights] = {}  # A/B arms, assigned by sha256(agent id); empty: everyone gets `weights`
@@ -121,13 +147,17 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
     availability_window_s: float = 300.0  # a server is unavailable when its recent calls mostly fail
     availability_min_calls: int = 5
     availability_failure_rate: float = 0.8
+    # A server counts as failing for everyone only when failures came from at least this many
+    # distinct connections in the window; below it, only for the agent whose own calls failed.
+    availability_min_reporters: int = 3
     rate_limit_calls: int | None = None  # per agent and tool within rate_limit_window_s; None: no limit
     rate_limit_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top <= 100:
             raise ValueError(f"recommend.top={self.top} must be within 1..100")
-        for key in ("min_calls", "candidates", "metrics_retention_days", "max_fallbacks", "availability_min_calls"):
+        for key in ("min_calls", "candidates", "metrics_retention_days", "max_fallbacks", "availability_min_calls",
+                    "availability_min_reporters"):  # fmt: skip
             if getattr(self, key) < 1:
                 raise ValueError(f"recommend.{key}={getattr(self, key)} must be at least 1")
         for key in ("semantic_share", "failing_threshold", "availability_failure_rate"):

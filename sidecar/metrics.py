@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS tool_calls (
     agent      TEXT,
     success    INTEGER NOT NULL,
     latency_ms REAL,
-    error      TEXT
+    error      TEXT,
+    reporter   TEXT                        -- who reported it: the server's connection id; NULL: this process's own call
 );
 CREATE INDEX IF NOT EXISTS tool_calls_ts ON tool_calls (ts);
 CREATE INDEX IF NOT EXISTS tool_calls_tool ON tool_calls (server, tool, ts);
@@ -200,15 +201,32 @@ def _day_start(day: str) -> float:
     return datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc).timestamp()
 
 
+TABLES = frozenset({"tool_metrics", "tool_calls", "tool_metrics_daily", "feedback", "metrics_state"})
+
+
 class MetricsStore:
-    def __init__(self, store: Store, retention_days: int = 7, clock=time.time, caps: StringCaps | None = None):
+    def __init__(self, store: Store, retention_days: int = 7, clock=time.time, caps: StringCaps | None = None,
+                 write_timeout_s: float | None = None):  # fmt: skip
+        """`write_timeout_s`: how long a write waits for SQLite's write lock held by another
+        process (None: the store's default, 10 s) before it raises StoreBusy."""
         if retention_days < 1:
             raise ValueError(f"metrics_retention_days={retention_days} must be at least 1")
         self.store = store
         self.retention_days = retention_days
         self.clock = clock
         self.caps = caps or StringCaps()
-        store.ensure_schema(SCHEMA)
+        self.write_timeout_s = write_timeout_s
+        self._ensure_schema()
+
+    def _ensure_schema(self) -> None:
+        """Create the tables, only if they are missing: opening an existing store only reads
+        (`sidecar metrics` must not take the write lock a running sidecar's acks need)."""
+        have = {r[0] for r in self.store.query("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not TABLES <= have:
+            self.store.ensure_schema(SCHEMA)
+        columns = {r[1] for r in self.store.query("PRAGMA table_info(tool_calls)")}
+        if "reporter" not in columns:  # a store from before the column
+            self.store.ensure_schema("ALTER TABLE tool_calls ADD COLUMN reporter TEXT")
 
     # --- writes: each one transaction, committed before returning -----------------------
 
@@ -223,9 +241,13 @@ class MetricsStore:
         agent: str | None = None,
         call_id: str | None = None,
         ts: float | None = None,
+        reporter: str | None = None,
     ) -> int:
         """Log one tool call and fold it into the tool's totals; returns the raw row's id once
-        committed. A `call_id` seen before returns the first row's id and counts nothing."""
+        committed. A `call_id` seen before returns the first row's id and counts nothing.
+        `reporter` names who reported it (the server's connection id), so one reporter's
+        failures alone do not mark a server failing for everyone (`failure_reporters`); None
+        is this process's own call. Waits at most `write_timeout_s` for the write lock."""
         ts = self.clock() if ts is None else ts
         if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
             latency_ms = None
@@ -233,14 +255,16 @@ class MetricsStore:
         server, tool, agent = cut(server, caps.name), cut(tool, caps.name), cut(agent, caps.agent)
         err = cut(error, caps.error) if error else None
         ok = 1 if success else 0
-        with self.store.transaction() as db:
+        reporter = cut(reporter, caps.name)
+
+        def write(db) -> int:
             if call_id is not None:
                 row = db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()
                 if row:
                     return int(row[0])
             cur = db.execute(
-                "INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error) VALUES (?,?,?,?,?,?,?,?)",
-                (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err),
+                "INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter) VALUES (?,?,?,?,?,?,?,?,?)",
+                (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err, reporter),
             )
             db.execute(
                 """INSERT INTO tool_metrics (server, tool, call_count, success_count, failure_count, avg_latency_ms,
@@ -264,11 +288,14 @@ class MetricsStore:
             db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
             return int(cur.lastrowid)
 
+        return self.store.write(write, self.write_timeout_s)
+
     def record_feedback(self, fb: Feedback) -> int:
         ts = self.clock() if fb.ts is None else fb.ts
         caps = self.caps
         recommended = orjson.dumps([cut(name, caps.name) for name in fb.recommended]).decode()
-        with self.store.transaction() as db:
+
+        def write(db) -> int:
             cur = db.execute(
                 "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?)",
                 (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
@@ -278,6 +305,8 @@ class MetricsStore:
             if fb.rating is not None:
                 db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
             return int(cur.lastrowid)
+
+        return self.store.write(write, self.write_timeout_s)
 
     def reset(self, server: str | None = None, tool: str | None = None) -> int:
         """Forget the call history of the matching tools (all when neither is given); returns
@@ -408,6 +437,18 @@ class MetricsStore:
             params.append(agent)
         rows = self.store.query(sql + " GROUP BY server, tool", params)
         return {(s, t): CallCount(int(c), int(k)) for s, t, c, k in rows}
+
+    def failure_reporters(self, window_s: float, now: float | None = None) -> dict[str, tuple[int, bool]]:
+        """Per server, who reported its failures in the last `window_s` seconds: the number
+        of distinct reporters (connections), and whether this process's own calls (no
+        reporter) failed too. What keeps one client from marking a server failing for all."""
+        since = (self.clock() if now is None else now) - window_s
+        rows = self.store.query(
+            """SELECT server, count(DISTINCT reporter), max(reporter IS NULL) FROM tool_calls
+               WHERE ts >= ? AND success = 0 GROUP BY server""",
+            (since,),
+        )
+        return {s: (int(n), bool(own)) for s, n, own in rows}
 
     def ratings(self) -> dict[str, tuple[int, float]]:
         """(number of ratings, average rating) per selected tool name."""

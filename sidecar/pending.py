@@ -1,13 +1,18 @@
-"""The evaluations waiting for the embedding worker, with a predictable overload policy.
+"""The evaluations waiting for the embedding worker, with a predictable overload policy and
+fair, bounded batches.
 
-The worker takes everything pending at once and judges it in one batch. While it works,
-new spans pile up here; when that happens faster than the worker drains them, the queue
-degrades in a fixed order and counts each loss:
+Evaluations are queued per connection (an evaluation's `session`). The worker takes a
+bounded batch (`take(now, limit, budget)`: at most `limit` spans and about `budget` of
+estimated work), one span per connection in turn, so a connection that queued hundreds of
+spans gets one slot per round like everyone else. While the worker judges, new spans pile
+up here; when that happens faster than the worker drains them, the queue degrades in a fixed
+order and counts each loss:
 
 - superseded: a clause has at most one pending span; a newer one with the same key
   replaces it (the newer span of a growing clause contains the older one; distinct
   clauses have distinct keys, so a finished clause is never dropped for the next);
-- overflow: beyond `max_pending`, the oldest are dropped;
+- overflow: beyond `max_pending`, the oldest span of the connection with the most queued
+  is dropped (a flooding connection loses its own work, not its neighbours');
 - stale: a span that waited longer than `stale_s` is dropped when taken, since its
   answer would come after the model had moved on.
 """
@@ -15,9 +20,19 @@ degrades in a fixed order and counts each loss:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 REASONS = ("superseded", "overflow", "stale")
+
+
+def _group(ev: Any) -> Any:
+    return getattr(ev, "session", None)
+
+
+def _stream(ev: Any) -> Any:
+    stream = getattr(ev, "stream", None)
+    return (_group(ev), getattr(stream, "id", stream))
 
 
 class Pending:
@@ -25,24 +40,82 @@ class Pending:
         self.max_pending = max_pending
         self.stale_s = stale_s
         self.dropped: Counter[str] = Counter({r: 0 for r in REASONS})
-        self._items: OrderedDict[object, Any] = OrderedDict()
+        # connection -> its evaluations by key, oldest first; the connections in round-robin
+        # order (one that was served moves to the back)
+        self._groups: OrderedDict[Any, OrderedDict[object, Any]] = OrderedDict()
+        self._streams: Counter[tuple] = Counter()  # (connection, stream id) -> spans pending
+        self._n = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._n
+
+    def count(self, group: Any) -> int:
+        """Spans a connection has waiting."""
+        items = self._groups.get(group)
+        return len(items) if items is not None else 0
+
+    def stream_pending(self, group: Any, stream_id: Any) -> bool:
+        """Whether a stream still has spans waiting (its `ended` must wait for them)."""
+        return self._streams.get((group, stream_id), 0) > 0
 
     def put(self, ev: Any) -> None:
-        """Queue an evaluation (anything with `.key` and `.received`)."""
-        if self._items.pop(ev.key, None) is not None:
+        """Queue an evaluation (anything with `.key` and `.received`; `.session` and
+        `.stream` group it when present)."""
+        g = _group(ev)
+        items = self._groups.get(g)
+        if items is None:
+            items = self._groups[g] = OrderedDict()
+        old = items.pop(ev.key, None)
+        if old is not None:
             self.dropped["superseded"] += 1
-        self._items[ev.key] = ev
-        while len(self._items) > self.max_pending:
-            self._items.popitem(last=False)
+            self._forget(old)
+        items[ev.key] = ev
+        self._n += 1
+        self._streams[_stream(ev)] += 1
+        while self._n > self.max_pending:
+            biggest = max(self._groups, key=lambda k: len(self._groups[k]))
+            _, gone = self._groups[biggest].popitem(last=False)
+            if not self._groups[biggest]:
+                del self._groups[biggest]
+            self._forget(gone)
             self.dropped["overflow"] += 1
 
-    def take(self, now: float) -> list[Any]:
-        """Everything pending and still fresh, oldest first; the queue is left empty."""
-        items = list(self._items.values())
-        self._items.clear()
-        fresh = [e for e in items if now - e.received <= self.stale_s]
-        self.dropped["stale"] += len(items) - len(fresh)
-        return fresh
+    def take(self, now: float, limit: int | None = None, budget: float | None = None,
+             cost: Callable[[Any], float] | None = None) -> list[Any]:  # fmt: skip
+        """Up to `limit` fresh evaluations (all when None), one per connection in turn, each
+        connection's oldest first; with `budget` and `cost`, stop once the taken spans' cost
+        reaches the budget (the first span is always taken). Stale ones met on the way are
+        dropped; what is not taken stays queued."""
+        out: list[Any] = []
+        spent = 0.0
+        while self._groups and (limit is None or len(out) < limit) and (budget is None or not out or spent < budget):
+            g, items = next(iter(self._groups.items()))
+            _, ev = items.popitem(last=False)
+            self._forget(ev)
+            if items:
+                self._groups.move_to_end(g)
+            else:
+                del self._groups[g]
+            if now - ev.received > self.stale_s:
+                self.dropped["stale"] += 1
+                continue
+            out.append(ev)
+            if cost is not None:
+                spent += cost(ev)
+        return out
+
+    def discard(self, group: Any) -> int:
+        """Forget a connection's waiting spans (it closed); returns how many."""
+        items = self._groups.pop(group, None)
+        if not items:
+            return 0
+        for ev in items.values():
+            self._forget(ev)
+        return len(items)
+
+    def _forget(self, ev: Any) -> None:
+        self._n -= 1
+        key = _stream(ev)
+        self._streams[key] -= 1
+        if self._streams[key] <= 0:
+            del self._streams[key]

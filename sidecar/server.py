@@ -3,13 +3,19 @@
 Concurrency, in one place:
 - the event loop reads every connection's frames, decodes them (protocol.py), updates the
   connection's Session (session.py) and queues spans in `Pending`; it never embeds;
-- one worker thread owns the model: a dispatcher task hands it everything pending at
-  once, and it judges them (`session.judge`: `Pipeline.judge_batch` once per catalog, so
-  many streams share one llama.cpp call, then the recommender for fired spans); while it
-  works, new spans queue (and, under overload, supersede); an `end` is answered with
-  `ended` after the batch that holds the stream's last spans is delivered;
-- each connection has a bounded outbox drained by its own writer task, so a client that
-  stops reading stalls only itself (and is closed with 1013 when its outbox is full);
+- one worker thread owns the model: a dispatcher task hands it one bounded batch at a time
+  (`Pending.take`: round-robin over connections, at most `max_batch_spans` spans and about
+  `max_batch_ms` of estimated work), and it judges them (`session.judge`:
+  `Pipeline.judge_batch` once per catalog, so many streams share one llama.cpp call, then
+  the recommender for fired spans); while it works, new spans queue (and, under overload,
+  supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
+  batch that held its last ones is delivered;
+- a `hello`'s new tools are embedded on the same thread in slices of `catalog_slice_tools`,
+  queued between batches, so a big session catalog delays others by one slice, not all of it;
+- each connection has an outbox drained by its own writer task, which awaits each send (the
+  socket's flow control): at `outbox_messages` queued the connection's frames are not read
+  until it drains, and a client that takes nothing for `send_timeout_s` is closed with 1013,
+  so a slow client stalls only itself and a prompt one is never closed for a burst;
 - each connection has a quota of queued work (spans, `end`s, store writes): at the quota its
   frames are not read until the dispatcher takes its work (backpressure), so a client that
   floods frames costs bounded memory;
@@ -57,11 +63,12 @@ from .session import (
     judge,
     session_catalog,
 )
-from .store import Store
+from .store import Store, StoreBusy
 
 log = logging.getLogger("sidecar.server")
 
-OUTBOX = 1024  # messages queued for one client before it counts as not reading
+COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
+COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 SESSION_PIPELINES = 16  # per-session catalogs kept built (LRU)
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
 LATENCY_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -110,34 +117,53 @@ class Metrics:
 class Connection:
     """One client: its session, its outbox, and the work it has queued (its quota)."""
 
-    def __init__(self, ws: ServerConnection, session: Session, metrics: Metrics, quota: int):
+    def __init__(self, ws: ServerConnection, session: Session, metrics: Metrics, limits: Any, pending: Pending):
         self.ws = ws
         self.session = session
         self.metrics = metrics
         # The server's name for this connection, which scopes its records: hello.session is
         # chosen by the client, so another client may claim the same one.
         self.id = secrets.token_hex(8)
-        self.quota = quota
-        self.backlog = 0  # spans and `end`s queued since the dispatcher last took the queue
+        self.quota = limits.max_queued_per_connection
+        self.pending = pending
+        # `end`s read since the dispatcher last took work (an `end` still waiting for its
+        # stream's spans is bounded by those spans, which count in `pending`)
+        self.ends = 0
         self.records = 0  # tool_result / feedback writes not yet committed
         self._room = asyncio.Event()
         self._throttle = True
-        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX)
+        # Flow control: at `pause` queued messages the connection is not read; what the work
+        # already read can still produce keeps the outbox under `cap` (see ServerConfig).
+        self.pause = limits.outbox_messages
+        self.cap = limits.outbox_messages + 4 * limits.max_queued_per_connection + 64
+        self.send_timeout = limits.send_timeout_s
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write())
+        self._closing: asyncio.Task | None = None
+
+    @property
+    def backlog(self) -> int:
+        """Spans and `end`s queued for the model thread."""
+        return self.pending.count(self.session) + self.ends
 
     def over_quota(self) -> bool:
-        return self._throttle and self.backlog + self.records >= self.quota
+        return self._throttle and (self.backlog + self.records >= self.quota or self.outbox.qsize() >= self.pause)
 
     async def room(self) -> None:
-        """Return once this connection's queued work is under its quota: until then its
-        frames stay unread (in websockets' small buffer, then in TCP): backpressure."""
+        """Return once this connection's queued work is under its quota and its outbox under
+        `outbox_messages`: until then its frames stay unread (in websockets' small buffer,
+        then in TCP): backpressure."""
         while self.over_quota():
             self._room.clear()
             await self._room.wait()
 
+    def wake(self) -> None:
+        """Some of its work was taken or answered: a paused reader may be under quota."""
+        self._room.set()
+
     def taken(self) -> None:
-        """The dispatcher took everything queued: the backlog is the model thread's now."""
-        self.backlog = 0
+        """The dispatcher took a batch: the `end`s read so far wait on the model thread now."""
+        self.ends = 0
         self._room.set()
 
     def recorded(self) -> None:
@@ -150,29 +176,47 @@ class Connection:
         self._room.set()
 
     def send(self, msg: p.ServerMessage) -> None:
-        try:
-            self.outbox.put_nowait(p.encode(msg))
-        except asyncio.QueueFull:
-            if not self.session.closed:
-                self.session.closed = True
-                log.warning("client %s is not reading; closing", self.ws.remote_address)
-                asyncio.create_task(self.ws.close(1013, "client too slow: outbox full"))
+        if self.outbox.qsize() >= self.cap:
+            self._too_slow(f"{self.outbox.qsize()} messages queued")
             return
+        self.outbox.put_nowait(p.encode(msg))
         kind = type(msg).__struct_config__.tag
         self.metrics.frames.inc("out", kind)
         if isinstance(msg, p.Error):
             self.metrics.errors.inc(msg.code)
 
+    def _too_slow(self, why: str) -> None:
+        if self._closing is None:
+            self.session.closed = True
+            log.warning("client %s is not reading (%s); closing with 1013", self.ws.remote_address, why)
+            self._closing = asyncio.create_task(self._close_slow())
+
+    async def _close_slow(self) -> None:
+        """Close with 1013; a client that does not read will not answer the close frame
+        either, so it gets `send_timeout_s` to do so before the socket is dropped."""
+        try:
+            await asyncio.wait_for(self.ws.close(1013, "client too slow: not reading"), self.send_timeout)
+        except (TimeoutError, ConnectionClosed):
+            pass
+        if self.ws.transport is not None and not self.ws.transport.is_closing():
+            self.ws.transport.abort()
+
     async def _write(self) -> None:
         while True:
             data = await self.outbox.get()
             try:
-                await self.ws.send(data, text=True)
+                # awaits the socket's flow control: a client that reads promptly keeps this short
+                await asyncio.wait_for(self.ws.send(data, text=True), self.send_timeout)
             except ConnectionClosed:
+                self._discard()
+                return
+            except TimeoutError:
+                self._too_slow(f"no message taken for {self.send_timeout:g} s")
                 self._discard()
                 return
             finally:
                 self.outbox.task_done()
+            self._room.set()
 
     def _discard(self) -> None:
         while not self.outbox.empty():
@@ -206,10 +250,12 @@ class SidecarServer:
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
         self._session_pipes: OrderedDict[tuple, tuple[Any, Recommender]] = OrderedDict()
-        # `end`s waiting for the next batch, as a count per stream: repeated `end`s of one
-        # stream cost one entry (and each counts against its connection's quota)
+        self._building: dict[tuple, asyncio.Future] = {}  # session catalogs being embedded
+        # `end`s waiting for their stream's spans, as a count per stream: repeated `end`s of
+        # one stream cost one entry (and each counts against its connection's quota)
         self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
+        self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
         self._records: set[asyncio.Task] = set()
         self._busy = False
         self._ws: Server | None = None
@@ -269,7 +315,8 @@ class SidecarServer:
         if self.store is not None:
             lim = self.limits
             caps = StringCaps(agent=lim.max_agent_chars, query=lim.max_query_chars, error=lim.max_error_chars, name=lim.max_name_chars)
-            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days, caps=caps)
+            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days, caps=caps,
+                                        write_timeout_s=lim.store_busy_timeout_ms / 1000)  # fmt: skip
             await asyncio.to_thread(self.history.rollup_if_due)
             self._tasks.append(asyncio.create_task(self._rollups()))
         self.recommender = Recommender(pipe, self.history, self.cfg.recommend)
@@ -336,7 +383,7 @@ class SidecarServer:
             await ws.close(1013, "too many connections")
             return
         session = Session(self.limits, self.pipeline.catalog, self.pipeline, self.recommender)
-        conn = Connection(ws, session, self.metrics, self.limits.max_queued_per_connection)
+        conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
         try:
             async for frame in ws:
@@ -347,6 +394,10 @@ class SidecarServer:
         finally:
             conn.session.closed = True
             del self.connections[conn.session]
+            self.pending.discard(conn.session)
+            for key in [k for k in self._ending if k[0] is conn.session]:
+                del self._ending[key]
+            self._backlogged.discard(conn)
             conn.stop()
 
     async def _on_frame(self, conn: Connection, frame: str | bytes) -> None:
@@ -394,6 +445,9 @@ class SidecarServer:
         if conn.session.hello is not None:
             raise p.ProtocolError("hello_again", "this connection already said hello")
         base = self.pipeline
+        defined = sum(1 for t in msg.tools or () if not isinstance(t, str))
+        if defined > self.limits.max_hello_tools:
+            raise p.ProtocolError("too_many_tools", f"hello.tools defines {defined} tools; at most {self.limits.max_hello_tools} per hello")
         catalog = session_catalog(base.catalog, msg.tools)
         pipe, rec = (base, self.recommender) if catalog is base.catalog else await self._session_pipeline(base, catalog)
         conn.session.start(msg, catalog, pipe, rec)
@@ -401,17 +455,40 @@ class SidecarServer:
 
     async def _session_pipeline(self, base: Any, catalog: Catalog) -> tuple[Any, Recommender]:
         """A session catalog's pipeline and recommender, built on the model thread and
-        shared by sessions that send the same tools."""
+        shared by sessions that send the same tools (also while it is being built)."""
         key = tuple((t.name, t.content_hash) for t in catalog)
         built = self._session_pipes.get(key)
+        if built is not None:
+            self._session_pipes.move_to_end(key)
+            return built
+        fut = self._building.get(key)
+        if fut is None:
+            fut = self._building[key] = asyncio.ensure_future(self._build_session(base, catalog))
+            fut.add_done_callback(lambda _: self._building.pop(key, None))
+        pipe = await asyncio.shield(fut)
+        built = self._session_pipes.get(key)
         if built is None:
-            pipe = await asyncio.get_running_loop().run_in_executor(self._worker, derive_pipeline, base, catalog)
             built = self._session_pipes[key] = (pipe, Recommender(pipe, self.history, self.cfg.recommend))
             while len(self._session_pipes) > SESSION_PIPELINES:
                 self._session_pipes.popitem(last=False)
-        else:
-            self._session_pipes.move_to_end(key)
         return built
+
+    async def _build_session(self, base: Any, catalog: Catalog) -> Any:
+        """Index a session catalog in slices: the tools the server's index already has first
+        (nothing to embed), then `catalog_slice_tools` new ones per model-thread job. Each job
+        queues behind the batch being judged and the next batch queues behind it, so other
+        sessions wait at most one slice, not the whole catalog."""
+        loop = asyncio.get_running_loop()
+        old = base.catalog
+        known = [t for t in catalog if (o := old.get(t.name)) is not None and o.content_hash == t.content_hash]
+        names = {t.name for t in known}
+        fresh = [t for t in catalog if t.name not in names]
+        step = self.limits.catalog_slice_tools
+        steps = [Catalog(known + fresh[:i], catalog.sources) for i in range(0, len(fresh), step)] + [catalog]
+        pipe = base
+        for cat in steps:
+            pipe = await loop.run_in_executor(self._worker, derive_pipeline, pipe, cat)
+        return pipe
 
     def _record(self, conn: Connection, msg: p.ToolResult | p.Feedback) -> None:
         """Check the message now (an unknown tool is an error, nothing recorded), commit it on
@@ -433,6 +510,11 @@ class SidecarServer:
     async def _commit(self, conn: Connection, kind: str, write: Callable[[], p.Ack], ref: p.Ref | None) -> None:
         try:
             ack = await asyncio.to_thread(write)
+        except StoreBusy as e:  # another process held the write lock past the bound: the client may resend
+            log.warning("a %s was not recorded: %s", kind, e)
+            conn.send(p.Error("store_busy", f"{kind} not recorded: the store is locked by another process; "
+                                            "resend it (the same ref is counted once)", ref))  # fmt: skip
+            return
         except Exception as e:
             log.exception("recording a %s failed", kind)
             conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
@@ -447,7 +529,7 @@ class SidecarServer:
         s = conn.session
         server, tool = key_of(s.catalog, msg.tool)
         row = self.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent,
-                                       call_id=call_id(conn.id, msg.ref))  # fmt: skip
+                                       call_id=call_id(conn.id, msg.ref), reporter=conn.id)  # fmt: skip
         if msg.ok or s.recommender is None:
             return p.Ack(msg.ref, row)
         return p.Ack(msg.ref, row, s.recommender.fallbacks(msg.tool, s.context) or None)
@@ -468,10 +550,10 @@ class SidecarServer:
         """An `ended` is owed once the spans queued before this `end` are delivered."""
         key = (conn.session, stream)
         self._ending[key] = self._ending.get(key, 0) + 1
+        conn.ends += 1
         self._owe(conn, 1)
 
     def _owe(self, conn: Connection, n: int) -> None:
-        conn.backlog += n
         self._backlogged.add(conn)
         self._wake.set()
 
@@ -480,28 +562,48 @@ class SidecarServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            # Taken together: every span queued before these `end`s is in this batch or was
-            # in the one delivered before, so `ended` may follow this batch (nothing can drop it).
-            batch = [ev for ev in self.pending.take(time.perf_counter()) if not ev.session.closed]
-            ending, self._ending = self._ending, OrderedDict()
+            budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
+            batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
+            batch = [ev for ev in batch if not ev.session.closed]
             self._release_backlogs()
             self._count_drops()
             if batch:
                 await self._judge(loop, batch)
-            for (session, stream), n in ending.items():
-                if (conn := self.connections.get(session)) is not None:
-                    for _ in range(n):
-                        conn.send(p.Ended(stream))
-            if len(self.pending):
+            self._answer_ends()
+            if len(self.pending) or self._ending:
                 self._wake.set()
+                await asyncio.sleep(0)  # let readers and writers run between batches
+
+    def _cost(self, ev: Evaluation) -> float:
+        """A span's estimated share of a batch's time on the model thread, in seconds."""
+        return (self._cost_per_char or 0.0) * (len(ev.text) + COST_OVERHEAD_CHARS)
+
+    def _answer_ends(self) -> None:
+        """`ended` for every stream none of whose spans wait any more: those queued before
+        its `end` were in batches delivered by now (or dropped, and counted)."""
+        done = []
+        for key, n in self._ending.items():
+            session, stream = key
+            if self.pending.stream_pending(session, stream):
+                continue
+            done.append(key)
+            if (conn := self.connections.get(session)) is not None:
+                for _ in range(n):
+                    conn.send(p.Ended(stream))
+        for key in done:
+            del self._ending[key]
 
     async def _judge(self, loop: asyncio.AbstractEventLoop, batch: list[Evaluation]) -> None:
         self._busy = True
         try:
-            verdicts, sizes = await loop.run_in_executor(self._worker, judge, batch, self.limits.max_inject_tools)
+            verdicts, sizes, took = await loop.run_in_executor(self._worker, timed_judge, batch, self.limits.max_inject_tools)
         except Exception:
             log.exception("judging a batch of %d failed", len(batch))
             verdicts, sizes = [], []
+        else:
+            per_char = took / sum(len(ev.text) + COST_OVERHEAD_CHARS for ev in batch)
+            prev = self._cost_per_char
+            self._cost_per_char = per_char if prev is None else prev + COST_EWMA * (per_char - prev)
         finally:
             self._busy = False
         for n in sizes:
@@ -524,10 +626,12 @@ class SidecarServer:
             conn.send(report(ev, d))
 
     def _release_backlogs(self) -> None:
-        """Everything queued was just taken: paused connections may be read again."""
-        for conn in self._backlogged:
+        """Some of the queue was just taken: paused connections may be under quota again
+        (those with nothing left waiting are no longer tracked)."""
+        for conn in list(self._backlogged):
             conn.taken()
-        self._backlogged.clear()
+            if conn.backlog == 0:
+                self._backlogged.discard(conn)
 
     def _count_drops(self) -> None:
         for reason, n in self.pending.dropped.items():
@@ -562,6 +666,13 @@ class SidecarServer:
                 self.store.checkpoint()
             except Exception:
                 log.exception("store checkpoint failed")
+
+
+def timed_judge(batch: list[Evaluation], top: int) -> tuple[list[Verdict], list[int], float]:
+    """`judge` on the model thread, with the seconds it took there (not counting the wait)."""
+    t0 = time.perf_counter()
+    verdicts, sizes = judge(batch, top)
+    return verdicts, sizes, time.perf_counter() - t0
 
 
 def call_id(connection: str, ref: p.Ref | None) -> str | None:

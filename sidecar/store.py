@@ -3,6 +3,11 @@
 
 One file, WAL mode, one connection guarded by a lock: the sidecar's writes are small and
 few, and WAL lets other processes (the CLI reading metrics) read while it writes.
+
+The default file is shared by every sidecar process of the user, so another process may hold
+SQLite's write lock. `write()` waits for it in short slices (BUSY_SLICE_MS, the store's own
+lock released between them so this process's reads go on), retries a transaction that lost
+the race, and gives up with `StoreBusy` after the caller's bound instead of blocking on it.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import os
 import pathlib
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS embedding_cache (
@@ -47,8 +55,24 @@ def text_key(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+BUSY_SLICE_MS = 50  # one attempt's wait for another process's write lock
+BUSY_TIMEOUT_MS = 10_000  # every other statement's wait (sqlite3's busy handler)
+
+
 class StoreError(RuntimeError):
     pass
+
+
+class StoreBusy(StoreError):
+    """Another process held the store's write lock for longer than the write's bound."""
+
+
+def is_busy(e: sqlite3.Error) -> bool:
+    """SQLITE_BUSY (any extended code): another connection holds the lock."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF == sqlite3.SQLITE_BUSY
+    return "locked" in str(e) or "busy" in str(e)
 
 
 class Store:
@@ -56,7 +80,7 @@ class Store:
         self.path = pathlib.Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
@@ -80,6 +104,48 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def write(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float | None = None) -> T:
+        """`fn(db)` in one write transaction, committed before returning (so a caller may
+        acknowledge what it wrote). SQLite's write lock, when another process holds it, is
+        waited for in slices of BUSY_SLICE_MS with this store's lock released in between;
+        a transaction that loses the race (busy at BEGIN or COMMIT) is rolled back and run
+        again. After `timeout_s` (None: BUSY_TIMEOUT_MS) of trying: StoreBusy. `fn` may
+        run more than once: it must only touch the database."""
+        limit = BUSY_TIMEOUT_MS / 1000 if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.002
+        attempts = 0
+        while True:
+            attempts += 1
+            with self._lock:
+                try:
+                    self._db.execute(f"PRAGMA busy_timeout={BUSY_SLICE_MS}")
+                    try:
+                        self._db.execute("BEGIN IMMEDIATE")
+                    finally:
+                        self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+                except sqlite3.OperationalError as e:
+                    if not is_busy(e):
+                        raise
+                else:
+                    try:
+                        out = fn(self._db)
+                        self._db.execute("COMMIT")
+                        return out
+                    except sqlite3.OperationalError as e:
+                        if self._db.in_transaction:
+                            self._db.execute("ROLLBACK")
+                        if not is_busy(e):
+                            raise
+                    except BaseException:
+                        if self._db.in_transaction:
+                            self._db.execute("ROLLBACK")
+                        raise
+            if time.monotonic() >= deadline:
+                raise StoreBusy(f"{self.path} is locked by another process (waited {limit:g} s over {attempts} attempts)")
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         with self._lock:

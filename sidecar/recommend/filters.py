@@ -110,12 +110,25 @@ def exclusion(tool: Tool, prof: ToolProfile, tags: Tags, ctx: Context, facts: Fa
     return None
 
 
-def failing_servers(recent: Mapping[tuple[str, str], object], min_calls: int, failure_rate: float) -> frozenset[str]:
+def failing_servers(recent: Mapping[tuple[str, str], object], min_calls: int, failure_rate: float,
+                    reporters: Mapping[str, tuple[int, bool]] | None = None, min_reporters: int = 1) -> frozenset[str]:  # fmt: skip
     """Servers whose recent calls (summed over their tools) mostly failed. `recent` maps
-    (server, tool) to anything with `calls` and `successes`."""
+    (server, tool) to anything with `calls` and `successes`. With `reporters` (server ->
+    (distinct reporters of its failures, whether this process's own calls failed)), a server
+    also needs failures from `min_reporters` distinct reporters, or from its own calls: one
+    client's reports alone do not take a server away from everyone."""
     per: dict[str, list[int]] = {}
     for (server, _), c in recent.items():
         acc = per.setdefault(server, [0, 0])
         acc[0] += c.calls
         acc[1] += c.calls - c.successes
-    return frozenset(s for s, (n, bad) in per.items() if n >= min_calls and bad / n >= failure_rate)
+    out = set()
+    for s, (n, bad) in per.items():
+        if n < min_calls or bad / n < failure_rate:
+            continue
+        if reporters is not None:
+            distinct, own = reporters.get(s, (0, False))
+            if not own and distinct < min_reporters:
+                continue
+        out.add(s)
+    return frozenset(out)

@@ -282,7 +282,7 @@ class Recommender:
         if share > 0:
             if query_vector is None:
                 query_vector = self.pipeline.embedder.embed([query], "query").vectors[0]
-            sem = self._semantic(state, ctx.source, np.asarray(query_vector, np.float32))
+            sem = self._semantic(state, query, ctx.source, np.asarray(query_vector, np.float32))
         if share < 1:
             raw_lex = state.lexical.scores(query).astype(np.float64)
             top_lex = float(raw_lex.max()) if n else 0.0
@@ -346,10 +346,13 @@ class Recommender:
             rows[int(i)] = (values, info)
         return {"rows": rows, "excluded": excluded}
 
-    def _semantic(self, state: _State, source: str, vector: np.ndarray) -> np.ndarray:
-        """Every catalog tool's best cosine with the query, in catalog order."""
-        index = self.pipeline.index_for(source)
-        per_index = index.tool_scores(vector[None, :])[0].astype(np.float64)
+    def _semantic(self, state: _State, query: str, source: str, vector: np.ndarray) -> np.ndarray:
+        """Every catalog tool's relevance as the pipeline ranks it, in catalog order."""
+        from ..pipeline import Request
+
+        views = self.pipeline.views([Request(query, source)], vector[None, :])[0]
+        index = views.index
+        per_index = views.scores[0].astype(np.float64)
         with state.lock:
             cached = state.index_maps.get(id(index))
             if cached is None or cached[0] is not index:
@@ -411,11 +414,22 @@ class Recommender:
         return out
 
     def _facts(self, ctx: F.Context) -> F.Facts:
+        """What the metrics say now. A server is failing for everyone once its recent calls
+        mostly failed as reported by `availability_min_reporters` distinct connections (or by
+        this process's own calls); for the asking agent, once its own recent calls did
+        (per-agent history first). So one session's failures never exclude a tool for
+        others; they only lower its history factors (success, performance: at most their
+        weights, 0.40 of the score at the defaults)."""
         if self.metrics is None:
             return F.Facts()
         cfg = self.cfg
         recent = self.metrics.recent(cfg.availability_window_s)
-        failing = F.failing_servers(recent, cfg.availability_min_calls, cfg.availability_failure_rate)
+        reporters = self.metrics.failure_reporters(cfg.availability_window_s)
+        failing = F.failing_servers(recent, cfg.availability_min_calls, cfg.availability_failure_rate,
+                                    reporters, cfg.availability_min_reporters)  # fmt: skip
+        if ctx.agent is not None:
+            own = self.metrics.recent(cfg.availability_window_s, agent=ctx.agent)
+            failing |= F.failing_servers(own, cfg.availability_min_calls, cfg.availability_failure_rate)
         calls: dict[tuple[str, str], int] = {}
         if cfg.rate_limit_calls is not None and ctx.agent is not None:
             calls = {k: c.calls for k, c in self.metrics.recent(cfg.rate_limit_window_s, agent=ctx.agent).items()}

@@ -1,0 +1,302 @@
+"""Soak: N concurrent connections for a bounded time at a mixed load against a real
+`sidecar serve` on 127.0.0.1, with a probe client timing its injections.
+
+Starts the server (all-minilm-l6-v2, notes.json, a fresh SQLite store in a temp dir,
+max_connections raised to fit), opens --connections websocket clients (in waves, retrying a
+503), and has each one, for --seconds, every --interval seconds on average (jittered) do one
+of: stream an LLM reply word by word, send a user turn, report a tool_result (some failed),
+send a feedback, ping; every client reads everything promptly. Meanwhile a probe client
+sends a user turn that calls for a tool every --probe-every seconds on a fresh stream and
+times, client side, send to `inject`.
+
+Reports (--json: one object): the probe's p50/p99/max injection latency and misses (no
+inject within --probe-timeout), the server's RSS over time (sampled from /proc), messages
+and errors by kind, connections lost and their close codes, connect failures, and the
+dropped evaluations from /metrics. It stops by itself: the load ends after --seconds, every
+client closes, the server gets SIGTERM (then SIGKILL after a grace period).
+
+    .venv/bin/python bench/soak.py --json                                 # 1,000 connections, 600 s
+    .venv/bin/python bench/soak.py --connections 200 --seconds 60 --json  # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar import models  # noqa: E402
+from sidecar import protocol as p  # noqa: E402
+from sidecar.client import SidecarClient, tokens  # noqa: E402
+
+NOTES = ROOT / "fixtures" / "catalogs" / "notes.json"
+PROBE = "I should call create_note to save this meeting summary number {i}."
+REPLIES = [
+    "Sure, I can help with that. I should call semantic_search to find the kubernetes setup. ",
+    "The cluster runs three nodes; each one hosts part of the control plane. ",
+    "Let me create a note with this meeting summary. That should cover everything you asked for.\n",
+    "Nothing to look up here: the answer is forty two, as discussed before. ",
+]
+TURNS = [
+    "Where did I put the kubernetes setup?",
+    "Please save this as a note for later.",
+    "What is the capital of France?",
+    "Thanks, that was helpful.",
+    "Can you find my notes about the quarterly planning meeting?",
+]
+TOOLS = ["create_note", "read_note", "semantic_search"]
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.received: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.closes: collections.Counter[str] = collections.Counter()
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.connect_failures = 0
+        self.connected = 0
+
+
+async def serve(store: pathlib.Path, config: pathlib.Path) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", "serve", "--config", str(config), "--catalog", str(NOTES), "--store", str(store),
+        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, "SIDECAR_MODEL": models.SMALL_MODEL},
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = (await asyncio.wait_for(proc.stderr.readline(), 600)).decode()
+        if found := re.search(r"listening on (ws://\S+)", line):
+            asyncio.create_task(_drain(proc.stderr))
+            return proc, found.group(1)
+        if not line:
+            break
+    proc.kill()
+    raise RuntimeError("sidecar serve did not start")
+
+
+async def _drain(stream) -> None:
+    while await stream.readline():
+        pass
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def scrape(url: str) -> dict[str, float]:
+    http = url.replace("ws://", "http://") + "/metrics"
+    out = {}
+    with urllib.request.urlopen(http, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+    return out
+
+
+async def reader(sc: SidecarClient, tally: Tally) -> None:
+    try:
+        async for msg in sc:
+            kind = type(msg).__struct_config__.tag
+            tally.received[kind] += 1
+            if isinstance(msg, p.Error):
+                tally.errors[msg.code] += 1
+    except Exception as e:  # noqa: BLE001 (counted: the soak reports it)
+        tally.closes[type(e).__name__] += 1
+        return
+    code = sc.ws.close_code
+    if code is not None and code != 1000:
+        tally.closes[str(code)] += 1
+
+
+async def worker(i: int, url: str, stop: float, args, tally: Tally, rnd: random.Random) -> None:
+    sc = None
+    for attempt in range(20):
+        try:
+            sc = await SidecarClient.connect(url, session=f"soak-{i}", agent=f"agent-{i % 10}", wait_s=30)
+            break
+        except Exception:  # noqa: BLE001 (503 at the limit, a refused connect: retried)
+            await asyncio.sleep(0.2 * (attempt + 1))
+    if sc is None:
+        tally.connect_failures += 1
+        return
+    tally.connected += 1
+    reading = asyncio.create_task(reader(sc, tally))
+    n = 0
+    try:
+        while time.monotonic() < stop and not reading.done():
+            await asyncio.sleep(rnd.uniform(0.5, 1.5) * args.interval)
+            if time.monotonic() >= stop:
+                break
+            n += 1
+            roll = rnd.random()
+            if roll < 0.35:  # an LLM reply, word by word
+                stream = f"r{n}"
+                for tok in tokens(rnd.choice(REPLIES)):
+                    await sc.token(stream, tok)
+                    await asyncio.sleep(0.02)
+                await sc.end(stream)
+                tally.sent["reply"] += 1
+            elif roll < 0.65:
+                await sc.user(f"u{n}", rnd.choice(TURNS))
+                tally.sent["user"] += 1
+            elif roll < 0.8:
+                ok = rnd.random() > 0.2
+                await sc.tool_result(rnd.choice(TOOLS), ok, rnd.uniform(5, 500), None if ok else "timeout", ref=f"t{n}")
+                tally.sent["tool_result"] += 1
+            elif roll < 0.9:
+                await sc.feedback(rnd.choice(TOOLS), rating=float(rnd.randint(0, 5)), selected=True, query="notes", ref=f"f{n}")
+                tally.sent["feedback"] += 1
+            else:
+                await sc.ping()
+                tally.sent["ping"] += 1
+    except Exception as e:  # noqa: BLE001
+        tally.closes[f"send:{type(e).__name__}"] += 1
+    finally:
+        await asyncio.sleep(1.0)  # let the last answers arrive
+        await sc.close()
+        reading.cancel()
+
+
+async def probe(url: str, stop: float, args) -> dict:
+    latencies: list[float] = []
+    server_ms: list[float] = []
+    misses = 0
+    async with await SidecarClient.connect(url, session="probe", wait_s=60) as sc:
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            t0 = time.perf_counter()
+            await sc.user(f"p{i}", PROBE.format(i=i))
+            await sc.end(f"p{i}")
+            got = None
+            try:
+                deadline = t0 + args.probe_timeout
+                while True:
+                    msg = await sc.recv(max(0.01, deadline - time.perf_counter()))
+                    if isinstance(msg, p.Inject) and msg.stream == f"p{i}" and got is None:
+                        got = time.perf_counter() - t0
+                        server_ms.append(msg.latency_ms)
+                    if isinstance(msg, p.Ended) and msg.stream == f"p{i}":
+                        break
+            except TimeoutError:
+                pass
+            if got is None:
+                misses += 1
+            else:
+                latencies.append(got * 1000)
+            await asyncio.sleep(max(0.0, args.probe_every - (time.perf_counter() - t0)))
+
+    def q(xs, f):
+        return round(statistics.quantiles(xs, n=100, method="inclusive")[f - 1], 1) if len(xs) >= 2 else (round(xs[0], 1) if xs else None)
+
+    return {"probes": i, "injects": len(latencies), "misses": misses, "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
+            "max_ms": round(max(latencies), 1) if latencies else None, "server_p50_ms": q(server_ms, 50),
+            "server_p99_ms": q(server_ms, 99)}  # fmt: skip
+
+
+async def main(args) -> dict:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-soak-"))
+    config = tmp / "soak.toml"
+    config.write_text(f"[server]\nport = 0\nmax_connections = {args.connections + 16}\n")
+    t_start = time.monotonic()
+    proc, url = await serve(tmp / "soak.db", config)
+    tally = Tally()
+    rss: list[tuple[float, float]] = []
+    result: dict = {}
+    try:
+        rss.append((0.0, rss_mb(proc.pid)))
+        stop = time.monotonic() + args.seconds
+        rnd = random.Random(args.seed)
+        workers = []
+        for i in range(args.connections):  # in waves, so the handshakes do not all land at once
+            workers.append(asyncio.create_task(worker(i, url, stop, args, tally, random.Random(rnd.random()))))
+            if i % 50 == 49:
+                await asyncio.sleep(0.2)
+        probing = asyncio.create_task(probe(url, stop, args))
+        t0 = time.monotonic()
+        while time.monotonic() < stop:
+            await asyncio.sleep(min(args.sample_every, max(0.0, stop - time.monotonic())))
+            rss.append((round(time.monotonic() - t0, 1), rss_mb(proc.pid)))
+        result["probe"] = await asyncio.wait_for(probing, args.probe_timeout + 30)
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 60)
+        m = scrape(url)
+        result["server"] = {
+            "dropped": {r: m.get(f'sidecar_dropped_evaluations_total{{reason="{r}"}}', 0) for r in ("superseded", "overflow", "stale")},
+            "errors": {k.split('"')[1]: v for k, v in m.items() if k.startswith("sidecar_errors_total")},
+            "injections": sum(v for k, v in m.items() if k.startswith("sidecar_injections_total")),
+            "batches": m.get("sidecar_batch_size_count"),
+            "cpu_s": m.get("process_cpu_seconds_total"),
+        }
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+    values = [r for _, r in rss if r is not None]
+    result.update({
+        "connections": args.connections, "connected": tally.connected, "connect_failures": tally.connect_failures,
+        "seconds": args.seconds, "interval_s": args.interval,
+        "sent": dict(tally.sent), "received": dict(tally.received), "client_errors": dict(tally.errors),
+        "closed_abnormally": dict(tally.closes),
+        "rss_mb": {"start": round(values[0], 1) if values else None, "max": round(max(values), 1) if values else None,
+                   "end": round(values[-1], 1) if values else None,
+                   "samples": [[t, round(r, 1)] for t, r in rss if r is not None]},
+        "server_exit": proc.returncode, "wall_s": round(time.monotonic() - t_start, 1),
+    })  # fmt: skip
+    return result
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--connections", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=600.0, help="how long the load runs (default 10 minutes)")
+    ap.add_argument("--interval", type=float, default=10.0, help="mean seconds between one client's actions")
+    ap.add_argument("--probe-every", type=float, default=1.0)
+    ap.add_argument("--probe-timeout", type=float, default=10.0)
+    ap.add_argument("--sample-every", type=float, default=5.0, help="RSS sampling period, seconds")
+    ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.connections < 1 or args.seconds <= 0 or args.interval <= 0:
+        ap.error("--connections, --seconds and --interval must be positive")
+    return args
+
+
+def cli(argv=None) -> int:
+    args = parse(argv)
+    result = asyncio.run(asyncio.wait_for(main(args), args.seconds + 900))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        pr = result["probe"]
+        print(f"{result['connected']}/{args.connections} connected for {args.seconds:g} s; probe: {pr['injects']}/{pr['probes']} injected, "
+              f"p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms, misses {pr['misses']}; RSS {result['rss_mb']['start']} -> "
+              f"{result['rss_mb']['max']} MB max; errors {result['client_errors']}; abnormal closes {result['closed_abnormally']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
