@@ -7,12 +7,14 @@ overrides both.
 
 from __future__ import annotations
 
+import importlib.resources
 import pathlib
 
 import msgspec
 
 from .config import GateConfig
 from .gate import Thresholds
+from .learned import GateHead, Ranker
 
 
 class CalibrationError(ValueError):
@@ -25,37 +27,25 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
     task_prefixes: bool | None = None
     user_strategy: str | None = None
     llm_strategy: str | None = None
+    ranker: Ranker | None = None  # fitted view weights; None: cosine + a little BM25
+    head: GateHead | None = None  # the gate as a probability; None: thresholds are cosines
 
 
-# What a model gets when nothing else is said: measured per known model (see README,
-# "Choosing thresholds"). A calibration file replaces its model's entry; explicit
-# configuration overrides single values of either.
-BUILTIN: dict[str, Calibration] = {
-    # Both fitted with `sidecar tune --model M --catalog fixtures/catalogs/ALL.json --labeled
-    # fixtures/labeled/dev.jsonl` (objective max_tp:fp<=0.05) and checked on
-    # fixtures/labeled/heldout.jsonl (README, "Choosing thresholds"). Against 462 real tools
-    # the best cosine of talk that needs no tool is high, so the fallback path needs a high
-    # bar: most tool requests get through on a high-confidence pattern. The design's nomic
-    # numbers (0.50 / 0.68 / 0.70 / 0.55) fired on 9.9% of held-out negatives.
-    "nomic-embed-text-v1.5": Calibration(
-        "nomic-embed-text-v1.5",
-        Thresholds(high=0.535, fallback=0.86, auto=0.78, confirm=0.535),
-        task_prefixes=False,
-        user_strategy="prefix",
-        llm_strategy="mcp+llm",
-    ),
-    # MiniLM's cosines sit far lower than nomic's: the same gate, on its own scale.
-    "all-minilm-l6-v2": Calibration(
-        "all-minilm-l6-v2",
-        Thresholds(high=0.20, fallback=0.70, auto=0.55, confirm=0.20),
-        task_prefixes=False,
-        user_strategy="mcp",
-        llm_strategy="mcp",
-    ),
-}
-# Strategies for a model nobody measured: the design's defaults.
-DEFAULT_USER_STRATEGY = "prefix+mcp"
-DEFAULT_LLM_STRATEGY = "mcp+llm"
+# What a model gets when nothing else is said: the calibration shipped in the package
+# (sidecar/calibrations/<model>.json), fitted with `sidecar tune` on the project's labelled
+# corpus and reported on servers it never saw (README, "Choosing thresholds"). A calibration
+# file replaces it; explicit configuration overrides single thresholds of either.
+def builtin(model: str) -> Calibration | None:
+    if model not in _BUILTIN:
+        resource = importlib.resources.files(__package__).joinpath("calibrations", f"{model}.json")
+        _BUILTIN[model] = msgspec.json.decode(resource.read_bytes(), type=Calibration) if resource.is_file() else None
+    return _BUILTIN[model]
+
+
+_BUILTIN: dict[str, Calibration | None] = {}
+# Strategies for a model nobody measured: the tool's use-case phrases as they are.
+DEFAULT_USER_STRATEGY = "base"
+DEFAULT_LLM_STRATEGY = "base"
 
 
 def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration | None, str]:
@@ -68,8 +58,8 @@ def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration |
                 "run `sidecar tune` for this model"
             )
         return calibration, "calibration"
-    if model in BUILTIN:
-        return BUILTIN[model], "builtin"
+    if (cal := builtin(model)) is not None:
+        return cal, "builtin"
     return None, "uncalibrated"
 
 

@@ -22,13 +22,10 @@ from .store import StoreError
 USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedError, StoreError, models.ProvisioningError, ValueError, OSError)
 
 
-def _common(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
     p.add_argument("--catalog", metavar="FILE", action="append", help="MCP tools/list JSON file, or a dir of them; repeat to merge several (as server__tool)")
-    if several_models:
-        p.add_argument("--model", metavar="NAME|PATH", action="append", help="embedding model(s) to compare; repeat (default: the configured one)")
-    else:
-        p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
+    p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
     p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
@@ -44,7 +41,7 @@ def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | Non
         args.config,
         overrides={
             ("catalogs",): args.catalog,
-            ("model", "name"): args.model if not isinstance(args.model, list) else None,
+            ("model", "name"): args.model,
             ("calibration",): args.calibration,
             ("store",): args.store,
             ("gate", "patterns"): args.patterns,
@@ -205,7 +202,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     pipe = pipeline.from_config(cfg, progress=True)
     items = evaluate.read_labeled(args.labeled, pipe.catalog)
     recommender = Recommender(pipe, None, cfg.recommend)  # history-neutral: a labelled set has no call history
-    report = evaluate.evaluate(pipe, items, baseline=args.baseline, bar=_progress_bar(2 * len(items), "evaluating"), recommender=recommender)
+    report = evaluate.evaluate(pipe, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"), recommender=recommender)
     if args.json:
         _print_json(report)
     else:
@@ -220,25 +217,25 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .evaluate import read_labeled
 
     cfg = _config(args)
-    cat = catalog_mod.load(cfg.catalogs)
-    items = read_labeled(args.labeled, cat)
     objective = tune.Objective.parse(args.objective)
-    strategies = [s for spec in args.strategies for s in spec.split(",") if s] if args.strategies else tune.DEFAULT_STRATEGIES
-    modes = {"auto": ["auto"], "on": ["on"], "off": ["off"], "both": ["off", "on"]}[args.task_prefixes]
-    store = store_mod.Store(cfg.store or store_mod.default_path())
-    study = tune.study(items, cat, args.model or [cfg.model.name], cfg, strategies, modes, objective,
-                       args.heldout_fraction, args.seed, store, progress=lambda m: print(f"sidecar: {m}", file=sys.stderr))  # fmt: skip
-    if args.out:
-        tune.write_calibration(study.chosen, args.out)
     if args.plot:
         from . import plot
 
-        plot.gate_plot(study, args.plot)
+        plot.require_matplotlib()
+    cat = catalog_mod.load(cfg.catalogs)
+    items = [i for path in args.labeled for i in read_labeled(path, cat)]
+    store = store_mod.Store(cfg.store or store_mod.default_path())
+    fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
+                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr))  # fmt: skip
+    if args.out:
+        tune.write_calibration(fitted, args.out)
+    if args.plot:
+        plot.gate_plot(fitted, args.plot)
     if args.json:
-        out = {"matrix": study.matrix, "chosen": study.chosen, "heldout": study.heldout, "candidates": study.candidates}
-        _print_json(out)
+        _print_json({"calibration": fitted.calibration.thresholds, "ranker": fitted.calibration.ranker, "objective": fitted.objective,
+                     "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds})  # fmt: skip
     else:
-        print(tune.describe(study))
+        print(tune.describe(fitted))
         if args.out:
             print(f"calibration written to {args.out}")
         if args.plot:
@@ -379,16 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="measure the gate and the ranking on a labelled JSONL set")
     _common(p)
     p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
-    p.add_argument("--baseline", choices=("tfidf", "bm25"), help="also rank with a lexical tool search over name + description")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("tune", help="compare models and index strategies, fit the gate's thresholds")
-    _common(p, several_models=True)
-    p.add_argument("--labeled", metavar="FILE", required=True)
-    p.add_argument("--strategies", metavar="S,S", action="append", help="index strategies to compare, comma-separated (default: base,prefix,mcp,prefix+mcp,mcp+llm,prefix+llm,action)")
-    p.add_argument("--task-prefixes", choices=("auto", "on", "off", "both"), default="auto", help="the model's task prefixes (both: measure each)")
-    p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced")
+    p = sub.add_parser("tune", help="fit the ranker, the gate head and its thresholds on labelled data")
+    _common(p)
+    p.add_argument("--labeled", metavar="FILE", required=True, action="append", help="JSONL labelled set (repeat to combine several)")
+    p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="FILE", help="write the chosen calibration (JSON) for --calibration")

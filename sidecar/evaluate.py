@@ -28,6 +28,7 @@ class Labeled(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     text: str
     expect: str | list[str] | None = None  # null: no tool should fire
     source: Literal["user", "llm"] = "user"
+    kind: str | None = None  # what sort of text a "no tool" item is (small talk, an offer, ...)
 
     @property
     def expected(self) -> frozenset[str]:
@@ -188,9 +189,8 @@ def run(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int
 
 
 class BaselineReport(msgspec.Struct):
-    kind: str
+    kind: str  # "cosine" (query vs description, same model), "bm25", "tfidf"
     ranking: RankingReport
-    latency_ms: dict[str, float]
 
 
 class Report(msgspec.Struct):
@@ -200,47 +200,75 @@ class Report(msgspec.Struct):
     thresholds: dict[str, float]
     thresholds_origin: str
     gate: GateReport
-    ranking: RankingReport  # by `ranking_by`: the recommender, as the sidecar ranks what it injects
+    ranking: RankingReport  # what the sidecar injects first: the recommender over the ranker
     latency_ms: dict[str, float]
-    ranking_by: str = "cosine"
-    ranking_cosine: RankingReport | None = None  # the semantic index alone, for comparison
-    baseline: BaselineReport | None = None
+    ranking_by: str = "ranker"
+    ranking_ranker: RankingReport | None = None  # the fitted ranker alone, before history
+    baselines: list[BaselineReport] = []  # computed in the same run, on the same items
+    gate_baseline: GateBaseline | None = None  # one threshold on plain cosine, same items
 
 
-def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int = 10, bar=None, recommender=None) -> Report:
-    """Gate figures over every item; ranking figures over the positives, ranked on demand by
-    `recommender` (history-neutral unless it has a metrics store), and by cosine alone."""
+class GateBaseline(msgspec.Struct):
+    """The simplest gate: one threshold on the best plain cosine to a description. Its best
+    balanced accuracy is picked on the items themselves, so it flatters the baseline."""
+
+    auroc: float
+    best_balanced_accuracy: float
+
+
+def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
+    """The simplest rankings, same run, same items: plain cosine of the text against each
+    tool's description with the same model, BM25 and TF-IDF over name + description."""
+    from .index import embed_cached
     from .lexical import LexicalIndex
+
+    tools = list(pipe.catalog)
+    descriptions = [(t.description or "").strip() or t.name for t in tools]
+    docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document")
+    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(i.text for i in items)), "query")
+    d = np.vstack([docs[x] for x in descriptions]) if tools else np.zeros((0, pipe.embedder.dim), np.float32)
+    names = np.asarray([t.name for t in tools])
+    positives = [i for i in items if i.positive]
+    sims = np.vstack([queries[i.text] for i in items]) @ d.T
+    best = sims.max(axis=1) if tools else np.zeros(len(items))
+    pos = np.array([i.positive for i in items])
+    cuts = np.unique(best)
+    balanced = max((((best[pos] >= c).mean() if pos.any() else 0) + ((best[~pos] < c).mean() if (~pos).any() else 0)) / 2 for c in cuts)
+    gate = GateBaseline(auroc(best[pos], best[~pos]), float(balanced))
+    cosine = [list(names[np.argsort(-row, kind="stable")[:k]]) for row, i in zip(sims, items) if i.positive]
+    out = [BaselineReport("cosine", ranking_report(positives, cosine))]
+    for kind in ("bm25", "tfidf"):
+        index = LexicalIndex(pipe.catalog, kind)
+        out.append(BaselineReport(kind, ranking_report(positives, [[n for n, _ in index.rank(i.text, k)] for i in positives])))
+    return out, gate
+
+
+def evaluate(pipe, items: Sequence[Labeled], k: int = 10, bar=None, recommender=None) -> Report:
+    """Gate figures over every item; ranking figures over the positives: what the sidecar
+    injects first (the recommender, history-neutral unless it has a metrics store), the
+    ranker alone, and the baselines of `baselines`."""
     from .pipeline import Request
     from .recommend.filters import Context
 
     tick = bar.update if bar is not None else None
     decisions = run(pipe, items, on_batch=tick)
     positives = [i for i in items if i.positive]
-    cosine: list[list[str]] = []
+    ranker: list[list[str]] = []
     for lo in range(0, len(positives), 16):
         chunk = positives[lo : lo + 16]
         found = pipe.rank_batch([Request(i.text, i.source) for i in chunk], k)
-        cosine.extend([c.tool for c in cands] for cands in found)
+        ranker.extend([c.tool for c in cands] for cands in found)
         if tick:
             tick(len(chunk))
-    ranked = cosine
+    ranked = ranker
     if recommender is not None:
         ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k).results] for i in positives]
     tops = iter(r[0] if r else None for r in ranked)
     first = [next(tops) if i.positive else d.tool for i, d in zip(items, decisions)]
-    base = None
-    if baseline:
-        index = LexicalIndex(pipe.catalog, baseline)
-        times, lexical = [], []
-        for i in positives:
-            t0 = time.perf_counter()
-            lexical.append([name for name, _ in index.rank(i.text, k)])
-            times.append((time.perf_counter() - t0) * 1000)
-        base = BaselineReport(baseline, ranking_report(positives, lexical), percentiles(times))
     if bar is not None:
         bar.close()
     strategy = f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}"
+    base, gate_base = baselines(pipe, items, k)
     return Report(
         n=len(items),
         model=pipe.embedder.name + (" +task-prefixes" if pipe.embedder.prefixes else ""),
@@ -249,10 +277,11 @@ def evaluate(pipe, items: Sequence[Labeled], baseline: str | None = None, k: int
         thresholds_origin=pipe.thresholds_origin,
         gate=gate_report(items, decisions, first),
         ranking=ranking_report(positives, ranked),
-        ranking_by=f"recommender ({recommender.cfg.mode})" if recommender is not None else "cosine",
-        ranking_cosine=ranking_report(positives, cosine),
+        ranking_by=f"recommender ({recommender.cfg.mode})" if recommender is not None else "ranker",
+        ranking_ranker=ranking_report(positives, ranker),
         latency_ms=percentiles([d.timing_ms.total for d in decisions]),
-        baseline=base,
+        baselines=base,
+        gate_baseline=gate_base,
     )
 
 
@@ -267,10 +296,12 @@ def describe(r: Report) -> str:
         f"ranking  top1 {k.top1:.1%}  top3 {k.top3:.1%}  MRR {k.mrr:.3f}  nDCG@10 {k.ndcg_at_10:.3f}  coverage {k.coverage:.1%}  ({r.ranking_by})",
         f"latency  p50 {r.latency_ms['p50']:.1f} ms  p99 {r.latency_ms['p99']:.1f} ms",
     ]
-    if r.ranking_cosine is not None and r.ranking_by != "cosine":
-        c = r.ranking_cosine
-        lines.append(f"cosine   top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}")
-    if r.baseline:
-        b = r.baseline.ranking
-        lines.append(f"{r.baseline.kind:<8} top1 {b.top1:.1%}  top3 {b.top3:.1%}  MRR {b.mrr:.3f}  nDCG@10 {b.ndcg_at_10:.3f}  coverage {b.coverage:.1%}")
+    if r.ranking_ranker is not None and r.ranking_by != "ranker":
+        c = r.ranking_ranker
+        lines.append(f"ranker   top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}")
+    if r.gate_baseline is not None:
+        lines.append(f"cosine   gate AUROC {r.gate_baseline.auroc:.3f}  best balanced {r.gate_baseline.best_balanced_accuracy:.1%}  (baseline: one threshold on plain cosine)")
+    for b in r.baselines:
+        c = b.ranking
+        lines.append(f"{b.kind:<8} top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}  (baseline)")
     return "\n".join(lines)

@@ -122,16 +122,20 @@ def tier_of(score: float, t: Thresholds) -> Tier | None:
     return None
 
 
-def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: Thresholds, timing: Timing) -> Decision:
-    """Decide from the screen and the ranked candidates (best first)."""
+def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: Thresholds, timing: Timing,
+          confidence: float | None = None) -> Decision:  # fmt: skip
+    """Decide from the screen and the ranked candidates (best first). With `confidence` (the
+    gate head's probability that the text needs a tool) the thresholds compare that instead
+    of the best candidate's score."""
     trigger = Trigger(scr.match.text, scr.match.start, scr.match.end) if scr.match else None
     if scr.blocked:
         return Decision(False, None, scr.path, None, None, None, None, candidates, timing, source, trigger)
     if not candidates:
         return Decision(False, None, scr.path, None, None, None, t.path_threshold(scr.path, None), candidates, timing, source, trigger)
     best = candidates[0]
+    score = best.score if confidence is None else round(float(confidence), 4)
     threshold = t.path_threshold(scr.path, best.tool)
-    tier = tier_of(best.score, t) if best.score >= threshold else None
+    tier = tier_of(score, t) if score >= threshold else None
     if trigger is None:
         trigger = Trigger(text, 0, len(text))
-    return Decision(tier is not None, tier, scr.path, best.tool, best.score, best.case, threshold, candidates, timing, source, trigger)
+    return Decision(tier is not None, tier, scr.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger)

@@ -8,17 +8,14 @@ Rows of one tool are contiguous, which makes the per-tool maximum a single
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 import numpy as np
-import orjson
 
 from . import cases as cases_mod
 from .cases import Strategy
 from .catalog import Catalog
-from .embed import Embedder
-from .gate import Candidate
+from .embed import Embedder, Kind
 from .store import Store, text_key
 
 
@@ -39,6 +36,35 @@ class _Entry(msgspec.Struct):
     cases: list[str]
     texts: list[str]
     vectors: np.ndarray
+    primary: np.ndarray  # the tool as one text: "name words: description"
+
+
+PRIMARY_CHARS = 1000  # what a description says first is what it is for; the rest costs time
+
+
+def primary_text(tool) -> str:
+    """The tool's one-text view: its name as words, then what it does (the description's
+    head: on these 2 cores nomic embeds a 2,048-token description in ~1 s, its first 1,000
+    characters in a quarter of that)."""
+    words = cases_mod.name_words(tool.bare_name)
+    description = " ".join((tool.description or "").split())[:PRIMARY_CHARS]
+    return f"{words}: {description}" if description else words
+
+
+def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind: Kind, batch: int = 64) -> tuple[dict[str, np.ndarray], int]:
+    """Vectors of distinct texts, from the store's cache where it has them (keyed by the
+    model's identity and the exact text embedded); the rest embedded in batches and cached.
+    Returns (text -> vector, how many were embedded)."""
+    keys = {t: text_key(embedder.prefixed(t, kind)) for t in texts}
+    cached = store.vectors(embedder.identity, set(keys.values())) if store else {}
+    missing = [t for t in keys if keys[t] not in cached]
+    for lo in range(0, len(missing), batch):
+        chunk = missing[lo : lo + batch]
+        new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind).vectors)}
+        cached.update(new)
+        if store:
+            store.put_vectors(embedder.identity, new)
+    return {t: cached[k] for t, k in keys.items()}, len(missing)
 
 
 class ToolIndex:
@@ -59,6 +85,8 @@ class ToolIndex:
         self.row_tool = np.asarray(row_tool, dtype=np.int64)
         blocks = [entries[n].vectors for n in self.names]
         self.matrix = np.ascontiguousarray(np.vstack(blocks) if blocks else np.zeros((0, dim), np.float32), dtype=np.float32)
+        prim = [entries[n].primary for n in self.names]
+        self.primary = np.ascontiguousarray(np.vstack(prim) if prim else np.zeros((0, dim), np.float32), dtype=np.float32)
         self.stats: IndexStats | None = None
 
     def __len__(self) -> int:
@@ -76,7 +104,7 @@ class ToolIndex:
         """Index a catalog, embedding only texts neither `previous` nor the store has."""
         t0 = time.perf_counter()
         prev = previous.entries if previous is not None and previous.strategy == strategy else {}
-        plans: dict[str, tuple[str, list[str], list[str]]] = {}
+        plans: dict[str, tuple[str, list[str], list[str], str]] = {}
         added = updated = unchanged = 0
         for tool in catalog:
             h = tool.content_hash
@@ -86,31 +114,22 @@ class ToolIndex:
                 continue
             added, updated = (added + 1, updated) if old is None else (added, updated + 1)
             derived = cases_mod.derive(tool)
-            plans[tool.name] = (h, derived, strategy.render(tool, derived))
-        wanted = {embedder.prefixed(t, "document") for _, _, texts in plans.values() for t in texts}
-        keys = {t: text_key(t) for t in wanted}
-        found = store.vectors(embedder.identity, keys.values()) if store else {}
-        missing = [t for t in wanted if keys[t] not in found]
-        if missing:
-            fresh = embedder.embed(missing, "document")
-            new = {keys[t]: v for t, v in zip(missing, fresh.vectors)}
-            found.update(new)
-            if store:
-                store.put_vectors(embedder.identity, new)
+            plans[tool.name] = (h, derived, strategy.render(tool, derived), primary_text(tool))
+        wanted = list(dict.fromkeys(t for _, _, texts, p in plans.values() for t in [*texts, p]))
+        found, missing = embed_cached(embedder, store, wanted, "document")
         entries: dict[str, _Entry] = {}
         for tool in catalog:
             if tool.name in plans:
-                h, derived, texts = plans[tool.name]
-                vecs = np.vstack([found[keys[embedder.prefixed(t, "document")]] for t in texts])
-                entries[tool.name] = _Entry(h, derived, texts, vecs)
+                h, derived, texts, prim = plans[tool.name]
+                entries[tool.name] = _Entry(h, derived, texts, np.vstack([found[t] for t in texts]), found[prim])
             else:
                 entries[tool.name] = prev[tool.name]
         index = cls(strategy, entries, embedder.dim)
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),
-            embedded=len(missing),
-            cached=len(wanted) - len(missing),
+            embedded=missing,
+            cached=len(wanted) - missing,
             added=added,
             updated=updated,
             removed=len(set(prev) - set(entries)),
@@ -126,58 +145,18 @@ class ToolIndex:
             return sims, sims[:, :0]
         return sims, np.maximum.reduceat(sims, self.starts, axis=1)
 
+    def views(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n_queries, n_tools) twice: cosine to each tool's one-text view, and each tool's
+        best cosine over its case rows."""
+        q = np.atleast_2d(queries)
+        return q @ self.primary.T, self.tool_scores(q)
+
     def tool_scores(self, queries: np.ndarray) -> np.ndarray:
         """(n_queries, n_tools): each tool's best cosine over its rows."""
         return self._similarities(queries)[1]
 
-    def search(self, queries: np.ndarray, k: int) -> list[list[Candidate]]:
-        """Top-k tools per query, best first, each with the case text that matched."""
-        sims, per_tool = self._similarities(queries)
-        if not self.names:
-            return [[] for _ in range(sims.shape[0])]
-        k = min(k, per_tool.shape[1])
-        out = []
-        for qi in range(per_tool.shape[0]):
-            row = per_tool[qi]
-            top = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
-            top = top[np.argsort(-row[top], kind="stable")]
-            cands = []
-            for ti in top:
-                lo = self.starts[ti]
-                hi = self.starts[ti + 1] if ti + 1 < len(self.starts) else sims.shape[1]
-                best_row = lo + int(np.argmax(sims[qi, lo:hi]))
-                cands.append(Candidate(self.names[ti], round(float(row[ti]), 4), self.texts[best_row]))
-            out.append(cands)
-        return out
-
-    # Export / import: the study's storage format, one vector per case text.
-    def export(self, model: str, threshold: float | None = None) -> dict[str, Any]:
-        tools = {}
-        for name, e in self.entries.items():
-            tools[name] = {
-                "hash": e.hash,
-                "cases": e.texts,
-                "vector": [[round(float(x), 7) for x in v] for v in e.vectors],  # one per case, in order
-            }
-        return {"model": model, "strategy": str(self.strategy), "threshold": threshold, "dim": self.dim, "tools": tools}
-
-    def dumps(self, model: str, threshold: float | None = None) -> bytes:
-        return orjson.dumps(self.export(model, threshold))
-
-    @classmethod
-    def loads(cls, data: bytes | dict[str, Any], catalog: Catalog | None = None) -> tuple[ToolIndex, str]:
-        """Rebuild an exported index; returns (index, model). Tools missing from `catalog` are dropped."""
-        doc = orjson.loads(data) if isinstance(data, (bytes, str)) else data
-        try:
-            strategy = Strategy.parse(doc["strategy"])
-            dim = int(doc["dim"])
-            entries = {}
-            for name, t in doc["tools"].items():
-                if catalog is not None and catalog.get(name) is None:
-                    continue
-                vecs = np.asarray(t["vector"] if "vector" in t else t["vectors"], dtype=np.float32).reshape(len(t["cases"]), dim)
-                entries[name] = _Entry(t.get("hash", ""), [], list(t["cases"]), vecs)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not an exported index: {e}") from None
-        return cls(strategy, entries, dim), doc["model"]
-
+    def closest_case(self, tool: int, query: np.ndarray) -> str:
+        """The tool's indexed text closest to the query."""
+        lo = int(self.starts[tool])
+        hi = int(self.starts[tool + 1]) if tool + 1 < len(self.starts) else len(self.texts)
+        return self.texts[lo + int(np.argmax(self.matrix[lo:hi] @ query))]

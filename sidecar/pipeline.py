@@ -23,6 +23,8 @@ from .config import Config
 from .embed import Embedder
 from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
+from .learned import GateHead, Ranker, gate_features, nearest, rank_features
+from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, default_path
 
@@ -53,6 +55,8 @@ class Pipeline:
         store: Store | None = None,
         top_k: int = 5,
         thresholds_origin: str = "builtin",
+        ranker: Ranker | None = None,
+        head: GateHead | None = None,
     ):
         self.embedder = embedder
         self.patterns = patterns
@@ -62,6 +66,8 @@ class Pipeline:
         self.store = store
         self.top_k = top_k
         self.catalog = catalog
+        self.ranker = ranker or Ranker()
+        self.head = head  # the gate as a probability; None: thresholds compare raw scores
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog)
 
@@ -72,25 +78,43 @@ class Pipeline:
             key = str(strategy)
             built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key))
         self.indexes, self.catalog = built, catalog
+        self.lexical = LexicalIndex(catalog, "bm25")
         return built
 
     def index_for(self, source: str) -> ToolIndex:
         return self.indexes[str(self.strategies[source])]
 
     def rank_batch(self, requests: Sequence[Request], k: int = 10) -> list[list[Candidate]]:
-        """The semantic ranking alone, gate aside: what a tool search on demand returns."""
+        """The ranking alone, gate aside: what a tool search on demand returns."""
         vectors = self.embedder.embed([r.text for r in requests], "query").vectors
-        return self._search(vectors, [r.source for r in requests], k)
+        return [self._top(v.scores[0], v.index, q, k) for v, q in zip(self.views(requests, vectors), vectors)]
 
-    def _search(self, vectors, sources: Sequence[str], k: int) -> list[list[Candidate]]:
-        """Top-k per vector, each against the index of its source's strategy."""
-        out: list[list[Candidate]] = [[] for _ in sources]
+    def views(self, requests: Sequence[Request], vectors: np.ndarray) -> list[Views]:
+        """Every tool's per-view scores and the ranker's blend, per request (each against
+        the index of its source's strategy)."""
+        out: list[Views | None] = [None] * len(requests)
+        bm25 = np.vstack([self.lexical.scores(r.text) for r in requests]) if requests else np.zeros((0, len(self.catalog)))
         for source in SOURCES:
-            rows = [i for i, s in enumerate(sources) if s == source]
-            if rows:
-                for i, c in zip(rows, self.index_for(source).search(vectors[rows], k)):
-                    out[i] = c
-        return out
+            rows = [i for i, r in enumerate(requests) if r.source == source]
+            if not rows:
+                continue
+            index = self.index_for(source)
+            cosine, cases = index.views(vectors[rows])
+            lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
+            scores = self.ranker.score(rank_features(cosine, lex, cases))
+            for j, i in enumerate(rows):
+                out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1])
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _top(scores: np.ndarray, index: ToolIndex, vector: np.ndarray, k: int) -> list[Candidate]:
+        """The k best tools, each with its case row closest to the text."""
+        k = min(k, len(scores))
+        if k == 0:
+            return []
+        top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+        return [Candidate(index.names[t], round(float(scores[t]), 4), index.closest_case(t, vector))
+                for t in top[np.argsort(-scores[top], kind="stable")]]  # fmt: skip
 
     def detect(self, text: str, source: str = "user") -> Decision:
         return self.detect_batch([Request(text, source)])[0]
@@ -111,8 +135,10 @@ class Pipeline:
         todo = [i for i, s in enumerate(screens) if not s.blocked]
         embedded = self.embedder.embed([requests[i].text for i in todo], "query")
         t_embed = time.perf_counter()
-        found = self._search(embedded.vectors, [requests[i].source for i in todo], self.top_k)
-        candidates = dict(zip(todo, found))
+        live = [requests[i] for i in todo]
+        views = self.views(live, embedded.vectors)
+        candidates = {i: self._top(v.scores[0], v.index, q, self.top_k) for i, v, q in zip(todo, views, embedded.vectors)}
+        confidence = dict(zip(todo, self.confidence(live, embedded.vectors, views, [screens[i] for i in todo])))
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
@@ -125,11 +151,53 @@ class Pipeline:
         for i, (r, s) in enumerate(zip(requests, screens)):
             timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
             timing.total = timing.regex + timing.embed + timing.cosine
-            d = judge(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing)
+            d = judge(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
         rows = dict(zip(todo, embedded.vectors))
         return Judged(out, [rows.get(i) for i in range(n)])
+
+    def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens) -> list[float | None]:
+        """The gate head's probability that each text needs a tool (None without a head)."""
+        if self.head is None or not requests:
+            return [None] * len(requests)
+        return self.head.probability(self.gate_inputs(requests, vectors, views, screens, self._exemplars)).tolist()
+
+    @property
+    def head(self) -> GateHead | None:
+        return self._head
+
+    @head.setter
+    def head(self, head: GateHead | None) -> None:
+        self._head = head
+        self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
+
+    def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens,
+                    exemplars: tuple[np.ndarray, np.ndarray] | None, exclude_self: bool = False) -> np.ndarray:  # fmt: skip
+        """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
+        a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
+        tool_ex, none_ex = exemplars if exemplars is not None else (np.zeros((0, vectors.shape[1]), np.float32),) * 2
+        return gate_features(
+            np.vstack([v.scores for v in views]),
+            np.vstack([v.cosine for v in views]),
+            np.vstack([v.cases for v in views]),
+            np.vstack([v.bm25 for v in views]),
+            np.array([r.source == "llm" for r in requests], float),
+            np.array([s.path.startswith("high:") for s in screens], float),
+            vectors,
+            nearest(vectors, tool_ex, exclude_self),
+            nearest(vectors, none_ex, exclude_self),
+        )
+
+
+class Views(msgspec.Struct):
+    """One text against one index: the ranker's blend and the raw views it blends, (1, tools)."""
+
+    index: ToolIndex
+    scores: np.ndarray
+    cosine: np.ndarray
+    cases: np.ndarray
+    bm25: np.ndarray
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:
@@ -162,18 +230,25 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
     )
 
 
-def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None) -> Pipeline:
-    """Everything the config names, loaded and validated, as a ready pipeline."""
-    calibration = calib.read(cfg.calibration) if cfg.calibration else None
+def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None,
+                calibration: bool = True) -> Pipeline:  # fmt: skip
+    """Everything the config names, loaded and validated, as a ready pipeline. With
+    `calibration=False` (what `tune` fits from) no calibration applies: cosine thresholds, the
+    default ranker, no gate head, plain derived cases."""
+    cal_file = calib.read(cfg.calibration) if cfg.calibration and calibration else None
     pats = patterns_mod.load_dir(cfg.gate.patterns or patterns_mod.PATTERNS_DIR, cfg.gate.regex_timeout_ms / 1000)
     cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
     if store is None:
         store = Store(cfg.store or default_path())
-    embedder = open_embedder(cfg, store, progress, calibration)
-    thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, calibration)
-    cal, _ = calib.in_force(embedder.name, calibration)
+    embedder = open_embedder(cfg, store, progress, cal_file)
+    if calibration:
+        thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, cal_file)
+        cal, _ = calib.in_force(embedder.name, cal_file)
+    else:
+        thresholds, origin, cal = Thresholds(), "uncalibrated", None
     strategies = {
         "user": Strategy.parse(cfg.index.user_strategy or (cal and cal.user_strategy) or calib.DEFAULT_USER_STRATEGY),
         "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
-    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin)
+    ranker, head = (cal.ranker, cal.head) if cal is not None else (None, None)
+    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head)

@@ -11,19 +11,26 @@ import pathlib
 
 import numpy as np
 
-from .tune import Study
+from .tune import Fitted
 
 
-def gate_plot(study: Study, out: str | pathlib.Path) -> None:
+def require_matplotlib() -> None:
+    """Fail before any work is done, not after it (`tune --plot`)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'sidecar[plot]'") from None
-    s = study.gate_scores.subset(study.fit_idx)
-    t = study.chosen.thresholds
+
+
+def gate_plot(fitted: Fitted, out: str | pathlib.Path) -> None:
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = fitted.gate_scores
+    t = fitted.calibration.thresholds
     path, score, pos = np.asarray(s.path), np.asarray(s.score), np.asarray(s.positive)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
     bins = np.linspace(min(-0.05, score[path != "blocked"].min(initial=0)), 1.0, 41)
@@ -37,7 +44,7 @@ def gate_plot(study: Study, out: str | pathlib.Path) -> None:
         ax.axvline(cut, color="black", lw=2, label=f"fires at ≥ {cut:.3f}")
         ax.axvline(t.auto, color="tab:blue", ls="--", label=f"auto-inject at ≥ {t.auto:.3f}")
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("best cosine similarity to a tool's use case")
+        ax.set_xlabel("probability that the text needs a tool (out of fold)")
         ax.set_ylabel("texts")
         ax.legend(fontsize=8, loc="upper left")
     live = path != "blocked"
@@ -48,15 +55,14 @@ def gate_plot(study: Study, out: str | pathlib.Path) -> None:
     ax.plot(sweep, tp, color="tab:green", label="TP rate (needs a tool, fired)")
     ax.plot(sweep, fp, color="tab:red", label="FP rate (needs none, fired)")
     ax.axhline(0.05, color="grey", ls=":", label="5% FP budget")
-    fit = study.chosen.fit
+    fit = fitted.fit
     ax.set_title(f"one threshold for every text; the tiered gate gets TP {fit.tp_rate:.0%} at FP {fit.fp_rate:.0%}", fontsize=10)
     ax.set_xlabel("threshold")
     ax.set_ylabel("rate")
     ax.legend(fontsize=8)
     blocked = (path == "blocked").sum()
     fig.suptitle(
-        f"{study.chosen.model}: user texts as {study.chosen.user_strategy}, LLM texts as {study.chosen.llm_strategy} "
-        f"· {len(s.path)} labelled texts ({blocked} blocked by negative patterns, not shown)",
+        f"{fitted.calibration.model}: gate head fitted on {len(s.path)} labelled texts ({blocked} blocked by negative patterns, not shown)",
         fontsize=11,
     )
     fig.savefig(out, dpi=110)

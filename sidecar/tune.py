@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
 
-from . import patterns as patterns_mod
-from .calibration import DEFAULT_LLM_STRATEGY, DEFAULT_USER_STRATEGY, Calibration
-from .cases import Strategy
+from .calibration import Calibration
 from .catalog import Catalog
 from .config import Config
-from .evaluate import Labeled, auroc, run
-from .gate import Thresholds, ToolThresholds
-from .index import ToolIndex
-from .pipeline import Pipeline, open_embedder
+from .evaluate import Labeled, gate_report, ranking_report, run
+from .gate import Thresholds, ToolThresholds, screen
+from .index import embed_cached
+from .learned import GATE_SCALARS, Exemplars, fit_gate_head, fit_ranker, rank_features
+from .lexical import LexicalIndex
+from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
 
 # Below these counts a fitted threshold is noise; the caller reports rather than fits.
@@ -31,32 +32,20 @@ MIN_POSITIVES = 8
 MIN_NEGATIVES = 8
 
 
-class Row(msgspec.Struct):
-    """One line of the strategy matrix."""
-
-    model: str
-    strategy: str
-    gap: float  # lowest positive score minus highest negative score (> 0: separable)
-    threshold: float  # the accuracy-maximising cut
-    accuracy: float
-    tp_rate: float
-    fp_rate: float
-    auroc: float
-    pareto: bool = False
-
-
 class Objective(msgspec.Struct, frozen=True):
-    """Highest TP rate with FP rate at most `max_fp` (the default), or best balanced accuracy."""
+    """Highest TP rate with FP rate at most `max_fp` (the default), best balanced accuracy, or
+    best F1 (which weighs the labelled set's own mix of positives and negatives)."""
 
-    kind: str = "max_tp"  # "max_tp" | "balanced"
+    kind: str = "max_tp"  # "max_tp" | "balanced" | "f1"
     max_fp: float = 0.05
+    positive_share: float = 0.5  # for f1: the share of positives it is computed at
 
     @classmethod
     def parse(cls, spec: str) -> Objective:
         """'max_tp', 'max_tp:fp<=0.02', 'balanced'."""
         kind, _, arg = spec.partition(":")
-        if kind == "balanced" and not arg:
-            return cls("balanced")
+        if kind in ("balanced", "f1") and not arg:
+            return cls(kind)
         if kind == "max_tp":
             if not arg:
                 return cls()
@@ -67,10 +56,10 @@ class Objective(msgspec.Struct, frozen=True):
                     v = -1.0
                 if 0.0 <= v <= 1.0:
                     return cls("max_tp", v)
-        raise ValueError(f"unknown objective {spec!r}: use max_tp, max_tp:fp<=0.02 or balanced")
+        raise ValueError(f"unknown objective {spec!r}: use max_tp, max_tp:fp<=0.02, balanced or f1")
 
     def __str__(self) -> str:
-        return "balanced" if self.kind == "balanced" else f"max_tp:fp<={self.max_fp:g}"
+        return self.kind if self.kind in ("balanced", "f1") else f"max_tp:fp<={self.max_fp:g}"
 
     def value(self, fit: GateFit) -> float:
         """How good a fitted gate is under this objective (for comparing models)."""
@@ -80,6 +69,9 @@ class Objective(msgspec.Struct, frozen=True):
         """A score per candidate (higher is better; -inf where infeasible)."""
         if self.kind == "balanced":
             return (tp + 1 - fp) / 2
+        if self.kind == "f1":
+            p = self.positive_share
+            return 2 * p * tp / np.maximum(p * tp + p + (1 - p) * fp, 1e-12)
         return np.where(fp <= self.max_fp + 1e-12, tp, -np.inf)
 
 
@@ -100,24 +92,6 @@ def _cuts(scores: np.ndarray) -> np.ndarray:
         return np.array([0.5])
     mids = (u[1:] + u[:-1]) / 2
     return np.concatenate([[u[0] - 1e-3], mids, [u[-1] + 1e-3]])
-
-
-def matrix_row(model: str, strategy: str, pos: Sequence[float], neg: Sequence[float]) -> Row:
-    p, n = np.asarray(pos, float), np.asarray(neg, float)
-    gap = float(p.min() - n.max()) if len(p) and len(n) else math.nan
-    t, acc, tp, fp = best_cut(p, n)
-    return Row(model, strategy, round(gap, 4), round(t, 4), acc, tp, fp, auroc(p, n))
-
-
-def mark_pareto(rows: list[Row]) -> list[Row]:
-    """A row is Pareto-optimal when no other row has TP >= and FP <= with one strictly better."""
-    for r in rows:
-        r.pareto = not any(
-            (o.tp_rate >= r.tp_rate and o.fp_rate <= r.fp_rate) and (o.tp_rate > r.tp_rate or o.fp_rate < r.fp_rate)
-            for o in rows
-            if o is not r
-        )
-    return sorted(rows, key=lambda r: (-(r.gap if not math.isnan(r.gap) else -9), -r.accuracy))
 
 
 class GateScores(msgspec.Struct):
@@ -171,11 +145,11 @@ def rates(s: GateScores, t: Thresholds) -> GateFit:
     return GateFit(t, float(tp), float(fp), acc, float((f & correct)[pos].mean()) if pos.any() else math.nan)
 
 
-def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.9, per_tool: bool = True) -> GateFit:
+def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.97, per_tool: bool = True) -> GateFit:
     """Search the high-pattern and fallback thresholds jointly for the objective; ties go to
     the pair that fires the right tool most, then to the higher (safer) thresholds. `confirm`
     is the lower of the two (the paths' own thresholds decide), `auto` the lowest score at
-    which fired decisions were right at least `auto_precision` of the time. With `per_tool`,
+    which fired decisions needed a tool at least `auto_precision` of the time. With `per_tool`,
     a tool that is the best candidate of enough positives and negatives gets its own pair."""
     pos = np.asarray(s.positive)
     if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
@@ -210,6 +184,7 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     tp = (over_h & hi & pos).sum(1)[:, None] + (over_f & fb & pos).sum(1)[None, :]
     fp = (over_h & hi & ~pos).sum(1)[:, None] + (over_f & fb & ~pos).sum(1)[None, :]
     ok = (over_h & hi & correct).sum(1)[:, None] + (over_f & fb & correct).sum(1)[None, :]
+    objective = msgspec.structs.replace(objective, positive_share=float(n_pos / (n_pos + n_neg)))
     value = objective.better(tp / n_pos, fp / n_neg)
     if not np.isfinite(value).any():
         return None
@@ -246,10 +221,11 @@ def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float
 
 
 def _auto_cut(s: GateScores, t: Thresholds, precision: float) -> float:
-    """Lowest score from which every fired decision above it is right `precision` of the time."""
+    """Lowest score from which the fired decisions above it needed a tool `precision` of the
+    time: above it the sidecar injects without asking."""
     f = fired(s, t)
     score = np.asarray(s.score)[f]
-    right = np.asarray(s.correct)[f]
+    right = np.asarray(s.positive)[f]
     if not len(score):
         return max(t.confirm, 1.0)
     order = np.argsort(-score)
@@ -270,7 +246,9 @@ def split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(perm[k:].tolist()), sorted(perm[:k].tolist())
 
 
-# --- the study: models x strategies on a labelled set, then the gate fitted on the best ------
+
+
+# --- fitting: the ranker's weights, the gate head, then the thresholds on its probability ----
 
 
 class Heldout(msgspec.Struct):
@@ -279,128 +257,168 @@ class Heldout(msgspec.Struct):
     accuracy: float
     correct_rate: float
     n: int
+    top1: float = math.nan  # ranking, over the held-out positives
+    mrr: float = math.nan
 
 
-class Chosen(msgspec.Struct):
-    """What `--out` writes (as a calibration) and how it did where it was fitted."""
+class Fitted(msgspec.Struct):
+    """What `--out` writes (as a calibration) and how it did."""
 
-    model: str
-    task_prefixes: bool
-    user_strategy: str
-    llm_strategy: str
+    calibration: Calibration
     objective: str
-    thresholds: Thresholds
-    fit: GateFit
+    fit: GateFit  # thresholds chosen on out-of-fold probabilities of the fit part
+    heldout: Heldout  # the part never fitted, judged by the finished pipeline
+    gate_scores: GateScores  # out-of-fold, fit part (for the plot)
+    fit_items: int
+    seconds: float
 
 
-class Study(msgspec.Struct):
-    matrix: list[Row]
-    chosen: Chosen
-    heldout: Heldout
-    candidates: list[Chosen]  # the best gate per model / prefix setting, best first
-    gate_scores: GateScores  # of the chosen setting, all items (for the plot)
-    fit_idx: list[int]
-    heldout_idx: list[int]
+MAX_EXEMPLARS = 1000  # per class: bounds the calibration file (float16) and the per-text cost
+FOLDS = 5
 
 
-DEFAULT_STRATEGIES = ("base", "prefix", "mcp", "prefix+mcp", "mcp+llm", "prefix+llm", "action")
-
-
-def study(
+def fit(
     items: Sequence[Labeled],
     catalog: Catalog,
-    models: Sequence[str],
     cfg: Config,
-    strategies: Sequence[str] = DEFAULT_STRATEGIES,
-    prefix_modes: Sequence[str] = ("auto",),
     objective: Objective = Objective(),
     heldout_fraction: float = 0.3,
     seed: int = 0,
     store: Store | None = None,
     progress: Callable[[str], None] | None = None,
-) -> Study:
-    """Measure every model x task-prefix setting x strategy on the fit part, fit the gate for
-    each model on its best strategies, and report the winner on the part it never saw."""
+    l2: float = 1.0,
+    l2_embedding: float = 100.0,
+) -> Fitted:
+    """Fit the ranker and the gate head on one part of `items`, choose thresholds on
+    out-of-fold probabilities (a head judged on texts it was fitted on looks better than it
+    is), and report the finished pipeline on the part it never saw."""
+    t0 = time.perf_counter()
     say = progress or (lambda msg: None)
-    parsed = {str(Strategy.parse(s)): Strategy.parse(s) for s in strategies}
     fit_idx, held_idx = split(len(items), heldout_fraction, seed)
     fit_items = [items[i] for i in fit_idx]
     pos = np.array([i.positive for i in fit_items])
-    src = np.array([i.source for i in fit_items])
-    pats = patterns_mod.load_dir(cfg.gate.patterns or patterns_mod.PATTERNS_DIR, cfg.gate.regex_timeout_ms / 1000)
-    matrix: list[Row] = []
-    fits: list[tuple[Chosen, GateScores]] = []
-    for model in models:
-        for mode in prefix_modes:
-            mcfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, name=model, task_prefixes=mode))
-            embedder = open_embedder(mcfg, store, progress=progress is not None)
-            label = embedder.name + (" +task-prefixes" if embedder.prefixes else "")
-            say(f"{label}: embedding {len(fit_items)} texts")
-            q = embedder.embed([i.text for i in fit_items], "query").vectors
-            best_auc = {"user": (-1.0, cfg.index.user_strategy or DEFAULT_USER_STRATEGY),
-                        "llm": (-1.0, cfg.index.llm_strategy or DEFAULT_LLM_STRATEGY)}  # fmt: skip
-            for name, strat in parsed.items():
-                say(f"{label}: indexing {len(catalog)} tools as {name}")
-                best = ToolIndex.build(catalog, embedder, strat, store).tool_scores(q).max(axis=1)
-                matrix.append(matrix_row(label, name, best[pos], best[~pos]))
-                for source in best_auc:
-                    m = src == source
-                    a = auroc(best[pos & m], best[~pos & m])
-                    if a > best_auc[source][0]:  # NaN (no items of this source) never wins
-                        best_auc[source] = (a, name)
-            user_s, llm_s = best_auc["user"][1], best_auc["llm"][1]
-            say(f"{label}: running the tiered gate (user {user_s}, llm {llm_s})")
-            strategies_for = {"user": Strategy.parse(user_s), "llm": Strategy.parse(llm_s)}
-            pipe = Pipeline(embedder, catalog, pats, Thresholds(), strategies_for, store)
-            scores = GateScores.from_decisions(items, run(pipe, items))
-            fitted = fit_gate(scores.subset(fit_idx), objective)
-            matrix.append(gate_row(label, f"tiered gate ({user_s} / {llm_s})", scores.subset(fit_idx), fitted))
-            chosen = Chosen(embedder.name, embedder.prefixes is not None, user_s, llm_s, str(objective), fitted.thresholds, fitted)
-            fits.append((chosen, scores))
-    fits.sort(key=lambda cs: (objective.value(cs[0].fit), cs[0].fit.correct_rate), reverse=True)
-    chosen, scores = fits[0]
+    if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
+        raise ValueError(f"need at least {MIN_POSITIVES} positives and {MIN_NEGATIVES} negatives to fit the gate")
+    pipe = from_config(cfg, catalog=catalog, store=store, progress=progress is not None, calibration=False)
+    say(f"{pipe.embedder.name}: embedding {len(items)} texts (cached in the store)")
+    vectors = query_vectors(pipe, [i.text for i in items])
+    requests = [Request(i.text, i.source) for i in fit_items]
+    q = vectors[fit_idx]
+    views = pipe.views(requests, q)
+    position = {n: k for k, n in enumerate(pipe.index_for("user").names)}
+    ranked = [k for k, i in enumerate(fit_items) if i.positive]
+    features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases)[0] for k in ranked])
+    say(f"fitting the ranker on {len(ranked)} tool requests")
+    ranker = fit_ranker(features, [[position[t] for t in fit_items[k].expected] for k in ranked])
+    pipe.ranker = ranker
+    views = pipe.views(requests, q)
+    screens = [screen(r.text, r.source, pipe.patterns) for r in requests]
+    live = np.array([not s.blocked for s in screens])
+    tools = [pipe._top(v.scores[0], v.index, vec, 1)[0].tool for v, vec in zip(views, q)]
+    exemplars = _exemplars(q, pos, seed)
+    x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True)
+    y = pos.astype(float)
+    # Each text once more against a smaller catalog (a random part of its servers): users
+    # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
+    x_part, y_part = _against_parts(pipe, fit_items, requests, q, views, screens, exemplars, np.random.default_rng(seed))
+    say(f"fitting the gate head on {2 * int(live.sum())} rows ({FOLDS}-fold for the thresholds)")
+    oof = np.full(len(fit_items), -1.0)
+    folds = np.random.default_rng(seed).integers(0, FOLDS, len(fit_items))
+    both = lambda m: (np.vstack([x[m], x_part[m]]), np.concatenate([y[m], y_part[m]]))  # noqa: E731
+    for f in range(FOLDS):
+        train, test = live & (folds != f), live & (folds == f)
+        if train.sum() and test.sum():
+            oof[test] = fit_gate_head(*both(train), exemplars, l2, l2_embedding).probability(x[test])
+    head = fit_gate_head(*both(live), exemplars, l2, l2_embedding)
+    scores = GateScores(
+        path=["blocked" if s.blocked else ("high" if s.path.startswith("high:") else "fallback") for s in screens],
+        score=oof.tolist(),
+        positive=pos.tolist(),
+        correct=[bool(i.positive and t in i.expected) for i, t in zip(fit_items, tools)],
+        tool=tools,
+    )
+    fitted = fit_gate(scores, objective, per_tool=False)
+    cal = Calibration(pipe.embedder.name, fitted.thresholds, pipe.embedder.prefixes is not None,
+                      str(pipe.strategies["user"]), str(pipe.strategies["llm"]), ranker, head)  # fmt: skip
+    heldout = Heldout(math.nan, math.nan, math.nan, math.nan, 0)
     if held_idx:
-        h = rates(scores.subset(held_idx), chosen.thresholds)
-        heldout = Heldout(h.tp_rate, h.fp_rate, h.accuracy, h.correct_rate, len(held_idx))
-    else:
-        heldout = Heldout(math.nan, math.nan, math.nan, math.nan, 0)
-    return Study(mark_pareto(matrix), chosen, heldout, [c for c, _ in fits], scores, fit_idx, held_idx)
+        say(f"judging the {len(held_idx)} held-out texts")
+        pipe.head, pipe.thresholds = head, fitted.thresholds
+        held = [items[i] for i in held_idx]
+        decisions = run(pipe, held)
+        g = gate_report(held, decisions)
+        r = ranking_report(held, [[c.tool for c in cands] for cands in pipe.rank_batch([Request(i.text, i.source) for i in held], 10)])
+        heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr)
+    return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0)
 
 
-def gate_row(model: str, name: str, s: GateScores, fitted: GateFit) -> Row:
-    """The tiered gate as one matrix row: its separation and its fitted operating point."""
-    live = [(sc, p) for sc, p, k in zip(s.score, s.positive, s.path) if k != "blocked"]
-    pos = [sc for sc, p in live if p]
-    neg = [sc for sc, p in live if not p]
-    gap = round(float(min(pos) - max(neg)), 4) if pos and neg else math.nan
-    gs = [sc if k != "blocked" else -1.0 for sc, k in zip(s.score, s.path)]
-    auc = auroc([g for g, p in zip(gs, s.positive) if p], [g for g, p in zip(gs, s.positive) if not p])
-    return Row(model, name, gap, fitted.thresholds.fallback, fitted.accuracy, fitted.tp_rate, fitted.fp_rate, auc)
+PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def write_calibration(chosen: Chosen, path: str | pathlib.Path) -> None:
-    """What `--calibration` reads: the model, its thresholds and strategies, and the evidence."""
-    cal = Calibration(chosen.model, chosen.thresholds, chosen.task_prefixes, chosen.user_strategy, chosen.llm_strategy)
-    doc = msgspec.to_builtins(cal) | {"objective": chosen.objective, "fit": msgspec.to_builtins(chosen.fit)}
+def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Gate features of each text against a smaller catalog: one of PARTS random sets of
+    servers (of single tools, for a one-server catalog), plus the text's own expected tools.
+    Users bring 5 tools or 500; the head should mean the same for both. (Parts without the
+    expected tools, as "needs none", were measured and cost held-out AUROC: a request stays
+    a request.)"""
+    names = views[0].index.names if views else []
+    group = np.asarray([server_of(n) for n in names])
+    servers = np.unique(group)
+    x = np.zeros((len(items), len(GATE_SCALARS) + q.shape[1]))
+    part_of = rng.integers(0, PARTS, len(items))
+    parts = [np.isin(group, rng.choice(servers, size=int(rng.integers(1, max(2, len(servers) // 2 + 1))), replace=False)) for _ in range(PARTS)]
+    lexicals: dict[bytes, LexicalIndex] = {}
+    known = exemplars.arrays()
+    for k, item in enumerate(items):
+        mask = parts[part_of[k]] | np.isin(group, [server_of(t) for t in item.expected])
+        key = np.packbits(mask).tobytes()
+        if key not in lexicals:
+            lexicals[key] = LexicalIndex(Catalog([t for t, m in zip(pipe.catalog, mask) if m]), "bm25")
+        v = views[k]
+        cosine, bm25 = v.cosine[:, mask], lexicals[key].scores(requests[k].text)[None, :]
+        cases = v.cases[:, mask]
+        part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases)), cosine, cases, bm25)
+        x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], known, exclude_self=True)[0]
+    return x, np.asarray([i.positive for i in items], float)
+
+
+def server_of(tool: str) -> str:
+    return tool.split("__")[0] if "__" in tool else tool
+
+
+def query_vectors(pipe: Pipeline, texts: Sequence[str]) -> np.ndarray:
+    found, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(texts)), "query")
+    return np.vstack([found[t] for t in texts]) if texts else np.zeros((0, pipe.embedder.dim), np.float32)
+
+
+def _exemplars(q: np.ndarray, pos: np.ndarray, seed: int) -> Exemplars:
+    rng = np.random.default_rng(seed)
+
+    def pick(rows: np.ndarray) -> np.ndarray:
+        return q[np.sort(rng.choice(rows, MAX_EXEMPLARS, replace=False))] if len(rows) > MAX_EXEMPLARS else q[rows]
+
+    return Exemplars.of(pick(np.flatnonzero(pos)), pick(np.flatnonzero(~pos)))
+
+
+def write_calibration(fitted: Fitted, path: str | pathlib.Path) -> None:
+    """What `--calibration` reads: the model, its thresholds, ranker and gate head, and the evidence."""
+    doc = msgspec.to_builtins(fitted.calibration) | {
+        "objective": fitted.objective,
+        "fit": msgspec.to_builtins(fitted.fit),
+        "heldout": msgspec.to_builtins(fitted.heldout),
+    }
     doc["fit"].pop("thresholds", None)
-    pathlib.Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(doc)) + b"\n")
+    pathlib.Path(path).write_bytes(msgspec.json.encode(doc) + b"\n")
 
 
-def describe(s: Study) -> str:
-    head = f"{'model':<34} {'strategy':<36} {'gap':>7} {'thresh':>7} {'acc':>6} {'TP':>6} {'FP':>6} {'AUROC':>6}  pareto"
-    lines = [head, "-" * len(head)]
-    for r in s.matrix:
-        lines.append(
-            f"{r.model:<34} {r.strategy:<36} {r.gap:>7.3f} {r.threshold:>7.3f} {r.accuracy:>6.1%} {r.tp_rate:>6.1%} "
-            f"{r.fp_rate:>6.1%} {r.auroc:>6.3f}  {'*' if r.pareto else ''}"
-        )
-    c, t, h = s.chosen, s.chosen.thresholds, s.heldout
-    lines += [
-        "",
-        f"chosen: {c.model}{' +task-prefixes' if c.task_prefixes else ''}, user {c.user_strategy}, llm {c.llm_strategy}, objective {c.objective}",
-        f"  thresholds: high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}"
-        + (f"; own thresholds for {len(t.tools)} tool(s): " + ", ".join(sorted(t.tools)[:5]) + (" ..." if len(t.tools) > 5 else "") if t.tools else ""),
-        f"  fitted on {len(s.fit_idx)} items: TP {c.fit.tp_rate:.1%}, FP {c.fit.fp_rate:.1%}, accuracy {c.fit.accuracy:.1%}, right tool {c.fit.correct_rate:.1%}",
-        f"  held out ({h.n} items, never fitted): TP {h.tp_rate:.1%}, FP {h.fp_rate:.1%}, accuracy {h.accuracy:.1%}, right tool {h.correct_rate:.1%}",
-    ]
-    return "\n".join(lines)
+def describe(f: Fitted) -> str:
+    c, t, h, r = f.calibration, f.calibration.thresholds, f.heldout, f.calibration.ranker
+    return "\n".join([
+        f"{c.model}{' +task-prefixes' if c.task_prefixes else ''}: fitted on {f.fit_items} items in {f.seconds:.0f} s, objective {f.objective}",
+        f"  ranker weights: cosine {r.weights[0]:.3f}, bm25 {r.weights[1]:.3f}, cases {r.weights[2]:.3f}",
+        f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
+        f"  out-of-fold on the fit part: TP {f.fit.tp_rate:.1%}, FP {f.fit.fp_rate:.1%}, accuracy {f.fit.accuracy:.1%}, right tool {f.fit.correct_rate:.1%}",
+    ] + ([
+        f"  held out ({h.n} items, never fitted): TP {h.tp_rate:.1%}, FP {h.fp_rate:.1%}, accuracy {h.accuracy:.1%}, "
+        f"right tool {h.correct_rate:.1%}, ranking top1 {h.top1:.1%}, MRR {h.mrr:.3f}",
+    ] if h.n else []))  # fmt: skip

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
-from sidecar import evaluate, gate, tune
+from sidecar import evaluate, gate, learned, tune
 from sidecar.catalog import load as load_catalog
 from sidecar.evaluate import Labeled
 from sidecar.gate import Thresholds
@@ -133,14 +134,49 @@ def test_objective_parse():
             tune.Objective.parse(bad)
 
 
-def test_matrix_rows_gap_and_pareto():
-    a = tune.matrix_row("m", "a", [0.8, 0.9], [0.1, 0.2])
-    b = tune.matrix_row("m", "b", [0.5, 0.9], [0.6, 0.2])
-    assert a.gap == pytest.approx(0.6) and a.accuracy == 1.0 and a.tp_rate == 1.0 and a.fp_rate == 0.0
-    assert b.gap == pytest.approx(-0.1)
-    rows = tune.mark_pareto([b, a])
-    assert [r.strategy for r in rows] == ["a", "b"]
-    assert rows[0].pareto and not rows[1].pareto
+def test_f1_objective_weighs_the_mix_of_positives():
+    f1 = tune.Objective.parse("f1")
+    assert str(f1) == "f1"
+    tp, fp = np.array([0.9, 0.6]), np.array([0.3, 0.0])
+    # rare positives: a false fire costs more than a miss
+    rare = msgspec.structs.replace(f1, positive_share=0.1).better(tp, fp)
+    assert rare[1] > rare[0]
+    common = msgspec.structs.replace(f1, positive_share=0.9).better(tp, fp)
+    assert common[0] > common[1]
+    assert f1.better(np.array([1.0]), np.array([0.0]))[0] == pytest.approx(1.0)
+
+
+def test_fit_ranker_learns_which_view_carries_the_answer():
+    rng = np.random.default_rng(3)
+    n, tools = 200, 30
+    answer = rng.integers(0, tools, n)
+    useful = rng.normal(0.3, 0.05, (n, tools))
+    useful[np.arange(n), answer] += 0.25  # the view that knows
+    noise = rng.normal(0.3, 0.05, (n, tools))
+    feats = np.stack([noise, np.zeros((n, tools)), useful], axis=-1)
+    ranker = learned.fit_ranker(feats, [[a] for a in answer])
+    assert ranker.weights[2] > 5 * abs(ranker.weights[0])
+    assert (ranker.score(feats).argmax(axis=1) == answer).mean() > 0.9
+
+
+def test_gate_head_separates_and_round_trips():
+    rng = np.random.default_rng(5)
+    dim = 8
+    vecs = rng.normal(size=(400, dim))
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    y = (vecs[:, 0] > 0).astype(float)  # a direction in embedding space means "needs a tool"
+    ex = learned.Exemplars.of(vecs[y == 1][:20], vecs[y == 0][:20])
+    scal = rng.normal(size=(400, len(learned.GATE_SCALARS)))
+    x = np.hstack([scal, vecs])
+    head = learned.fit_gate_head(x, y, ex)
+    p = head.probability(x)
+    assert evaluate.auroc(p[y == 1], p[y == 0]) > 0.95
+    again = msgspec.json.decode(msgspec.json.encode(head), type=learned.GateHead)
+    assert np.allclose(again.probability(x), p)
+    tool, none = again.exemplars.arrays()
+    assert tool.shape == (20, dim) and np.allclose(tool, vecs[y == 1][:20], atol=1e-3)
+    with pytest.raises(ValueError, match="feature count"):
+        learned.GateHead(head.mean[:-1], head.scale, head.coef, head.bias, ex)
 
 
 def test_split_is_reproducible_and_disjoint():

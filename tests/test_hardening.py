@@ -43,7 +43,7 @@ from .test_server import (  # noqa: F401  (pipelines, small: fixtures)
     until,
 )
 
-REQUEST = "Can you create a note about the meeting?"
+REQUEST = "Can you search my notes for the kubernetes setup?"
 
 
 def tracebacks(caplog) -> list[str]:

@@ -68,7 +68,10 @@ def _names(rec):
 
 
 def _save_a_text_file_ranks_writers_first(pipe, mode):
-    rec = Recommender(pipe, None).recommend("save a text file", top=len(pipe.catalog), mode=mode)
+    """With the design's intent adjustments switched on (they are off by default)."""
+    from tests.test_recommend_units import DESIGN
+
+    rec = Recommender(pipe, None, RecommendConfig(intent=DESIGN)).recommend("save a text file", top=len(pipe.catalog), mode=mode)
     order = _names(rec)
     worst_writer = max(order.index("write_file"), order.index("edit_file"))
     best_reader = min(order.index("read_text_file"), order.index("read_file"))
@@ -91,7 +94,7 @@ def test_save_a_text_file_default_model(fs_default):
 
 def test_results_carry_score_factors_and_why(fs_small):
     rec = Recommender(fs_small, None).recommend("load the config file", top=3)
-    assert len(rec.results) == 3 and rec.mode == "hybrid"
+    assert len(rec.results) == 3 and rec.mode == "semantic"  # the default: the pipeline's blend, BM25 included
     assert [r.score for r in rec.results] == sorted((r.score for r in rec.results), reverse=True)
     top = rec.results[0]
     assert top.tool in ("read_file", "read_text_file")
@@ -213,7 +216,9 @@ def test_variants_are_assigned_by_agent(merged_small, metrics):
 
 
 def test_fallbacks_for_a_failed_tool(merged_small, metrics, clock):
-    r = Recommender(merged_small, metrics, clock=clock)
+    from tests.test_recommend_units import DESIGN
+
+    r = Recommender(merged_small, metrics, RecommendConfig(intent=DESIGN), clock=clock)
     for i in range(10):
         metrics.record_call("filesystem", "edit_file", False, 10.0, "EIO", ts=T0 - 7200 - i)
     fb = r.fallbacks("filesystem__write_file")
@@ -229,7 +234,9 @@ def test_fallbacks_for_a_failed_tool(merged_small, metrics, clock):
 
 
 def test_tuning_from_recorded_feedback(fs_small, metrics):
-    r = Recommender(fs_small, metrics)
+    from tests.test_recommend_units import DESIGN
+
+    r = Recommender(fs_small, metrics, RecommendConfig(intent=DESIGN))
     # users keep picking edit_file, which has a strong success history, over what relevance prefers
     for i in range(30):
         metrics.record_call("filesystem", "edit_file", i % 10 != 0, 20.0)
@@ -261,11 +268,11 @@ def test_cli_recommend_json(tmp_path):
     ms = MetricsStore(Store(store))
     for i in range(5):  # an hour ago: a failing tool, not (any more) a failing server
         ms.record_call("filesystem", "edit_file", False, 50.0, "EIO", ts=time.time() - 3600 - i)
-    out = _cli("recommend", "--catalog", str(FS), "--model", models.SMALL_MODEL, "--top", "4", "--mode", "hybrid",
-               "--agent", "cli-agent", "--json", "save a text file", store=store)  # fmt: skip
+    out = _cli("recommend", "--catalog", str(FS), "--top", "4", "--mode", "hybrid",  # the default model
+               "--agent", "cli-agent", "--json", "write these lines to a new file", store=store)  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert set(doc) == {"query", "results"} and doc["query"] == "save a text file"
+    assert set(doc) == {"query", "results"} and doc["query"] == "write these lines to a new file"
     assert len(doc["results"]) == 4
     assert all(set(r) == {"tool", "score", "why", "factors"} for r in doc["results"])
     assert doc["results"][0]["tool"] == "write_file"  # edit_file's failures demoted it

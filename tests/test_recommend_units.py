@@ -14,6 +14,10 @@ from sidecar.recommend import intent as I
 from sidecar.recommend import learn as L
 from sidecar.recommend import scoring as S
 
+# The design's adjustments (off by default: they lost to the fitted ranker), set explicitly.
+DESIGN = S.IntentRules(name_action=0.4, name_term=0.2, desc_action=0.2, desc_term=0.1,
+                       read_only_vs_write=0.30, write_only_vs_read=0.20, delete_vs_create=0.30)  # fmt: skip
+
 NOW = 1_750_000_000.0
 
 
@@ -95,8 +99,8 @@ def test_profile_reads_names_and_annotations():
 
 def test_save_boosts_writers_and_penalises_readers():
     it = I.analyze("save a text file")
-    write = S.intent_adjustment(it, I.profile(tool("write_file", "Create a new file or overwrite an existing file")))
-    read = S.intent_adjustment(it, I.profile(tool("read_text_file", "Read the complete contents of a text file")))
+    write = S.intent_adjustment(it, I.profile(tool("write_file", "Create a new file or overwrite an existing file")), DESIGN)
+    read = S.intent_adjustment(it, I.profile(tool("read_text_file", "Read the complete contents of a text file")), DESIGN)
     assert write.multiplier > read.multiplier
     assert f"{I.stem('save')}→{I.stem('write')}" in write.matched
     assert read.penalties and "read-only" in read.penalties[0] and "-30%" in read.penalties[0]
@@ -104,7 +108,7 @@ def test_save_boosts_writers_and_penalises_readers():
 
 
 def test_other_conflict_penalties():
-    rules = S.IntentRules()
+    rules = DESIGN
     reader = S.intent_adjustment(I.analyze("read the log"), I.profile(tool("write_log", "Append to the log")), rules)
     assert any("write-only" in p and "-20%" in p for p in reader.penalties)
     creator = S.intent_adjustment(I.analyze("create a note"), I.profile(tool("delete_note", "Remove a note")), rules)
@@ -112,7 +116,7 @@ def test_other_conflict_penalties():
 
 
 def test_action_words_weigh_more_and_returns_diminish():
-    rules = S.IntentRules()
+    rules = DESIGN
     prof = I.profile(tool("zzz_file", ""))
     one_term = S.intent_adjustment(I.analyze("file"), prof, rules)
     assert one_term.name_boost == pytest.approx(rules.name_term)

@@ -71,7 +71,7 @@ def _cli(*args, tmp_path):
 
 
 def test_eval_json_has_every_figure(labeled, tmp_path):
-    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--baseline", "bm25", tmp_path=tmp_path)
+    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["n"] == len(POSITIVES) + len(NEGATIVES)
@@ -81,33 +81,43 @@ def test_eval_json_has_every_figure(labeled, tmp_path):
     assert set(out["latency_ms"]) == {"p50", "p99"}
     assert out["gate"]["auroc"] > 0.8  # a real model separates these clearly
     assert out["ranking"]["top3"] >= out["ranking"]["top1"] > 0.5
-    assert out["baseline"]["kind"] == "bm25" and 0 <= out["baseline"]["ranking"]["top1"] <= 1
+    base = {b["kind"]: b["ranking"] for b in out["baselines"]}  # computed in the same run, on the same items
+    assert set(base) == {"cosine", "bm25", "tfidf"} and all(0 <= b["top1"] <= 1 for b in base.values())
+    assert out["ranking_ranker"]["top1"] >= base["cosine"]["top1"] - 0.1
+    assert 0.5 <= out["gate_baseline"]["auroc"] <= 1
 
 
 def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
     cal, png = tmp_path / "cal.json", tmp_path / "gate.png"
     run = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled,
-               "--strategies", "base,mcp,prefix+mcp,mcp+llm", "--out", cal, "--plot", png, tmp_path=tmp_path)  # fmt: skip
+               "--heldout-fraction", "0", "--objective", "balanced", "--out", cal, "--plot", png, tmp_path=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
-    rows = out["matrix"]
-    assert {r["strategy"] for r in rows} >= {"base", "mcp", "prefix+mcp", "mcp+llm"}
-    assert any(r["strategy"].startswith("tiered gate") for r in rows)
-    gaps = [r["gap"] for r in rows]
-    assert gaps == sorted(gaps, reverse=True)
-    assert any(r["pareto"] for r in rows)
-    assert out["chosen"]["fit"]["fp_rate"] <= 0.05
-    assert set(out["heldout"]) >= {"tp_rate", "fp_rate", "accuracy"}
+    assert out["objective"] == "balanced"
+    assert out["fit"]["tp_rate"] > out["fit"]["fp_rate"]  # out of fold: texts the head never saw
+    assert len(out["ranker"]["weights"]) == 3
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     fitted = calibration.read(cal)
-    assert fitted.model == models.SMALL_MODEL
-    assert fitted.thresholds.high == pytest.approx(out["chosen"]["thresholds"]["high"])
+    assert fitted.model == models.SMALL_MODEL and fitted.head is not None and fitted.ranker is not None
+    assert fitted.thresholds.high == pytest.approx(out["calibration"]["high"])
     det = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--calibration", cal, "hello there", tmp_path=tmp_path)
     assert det.returncode == 0, det.stderr
     d = json.loads(det.stdout)
     assert d["thresholds_origin"] == "calibration"
     assert d["thresholds"]["fallback"] == pytest.approx(fitted.thresholds.fallback)
+    assert 0 <= d["score"] <= 1 and not d["fired"]  # a probability now, and small talk stays silent
+
+
+def test_tune_plot_without_matplotlib_fails_before_any_work(labeled, tmp_path):
+    env_path = tmp_path / "nomatplotlib"
+    env_path.mkdir()
+    (env_path / "matplotlib.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db"), "PYTHONPATH": str(env_path)}
+    run = subprocess.run([sys.executable, "-m", "sidecar", "tune", "--model", models.SMALL_MODEL, "--catalog", NOTES,
+                          "--labeled", labeled, "--plot", tmp_path / "x.png"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and "--plot needs matplotlib" in run.stderr
+    assert not (tmp_path / "cli.db").exists()  # refused before the store or the model was touched
 
 
 def test_calibration_for_another_model_is_refused(labeled, tmp_path):

@@ -1,0 +1,70 @@
+"""Write the corpus's fit and held-out parts (fixtures/corpus/{fit,heldout}.jsonl) and the
+catalog of the servers in the fit part (fixtures/corpus/fit-catalog.json).
+
+The held-out part is catalog-disjoint: whole servers, picked by a hash of their name, never
+seen in fitting (neither their tools nor any text about them), plus a hash-picked 30% of the
+"no tool" texts. Re-running gives the same files byte for byte.
+
+    python bench/corpus_split.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "fixtures" / "corpus"
+HELD_SHARE = 0.3
+
+
+def share(key: str) -> float:
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def without_servers(line: str, held: set[str]) -> str | None:
+    """A fit line with expected tools of held-out servers taken out of its list (None when
+    nothing is left): fitting must not see those servers at all."""
+    item = json.loads(line)
+    expect = item["expect"]
+    if expect is None:
+        return line
+    keep = [t for t in ([expect] if isinstance(expect, str) else expect) if t.split("__")[0] not in held]
+    if not keep:
+        return None
+    if keep == ([expect] if isinstance(expect, str) else expect):
+        return line
+    item["expect"] = keep[0] if len(keep) == 1 else keep
+    return json.dumps(item, ensure_ascii=False)
+
+
+def main() -> None:
+    catalogs = ROOT / "fixtures" / "catalogs"
+    servers = sorted(p.stem for p in (CORPUS / "servers").glob("*.jsonl"))
+    held = {s for s in servers if share("srv" + s) < HELD_SHARE}
+    fit_lines: list[str] = []
+    held_lines: list[str] = []
+    for s in servers:
+        lines = (CORPUS / "servers" / f"{s}.jsonl").read_text(encoding="utf-8").splitlines()
+        if s in held:
+            held_lines.extend(ln for ln in lines if ln.strip())
+        else:
+            fit_lines.extend(filter(None, (without_servers(ln, held) for ln in lines if ln.strip())))
+    for ln in (CORPUS / "notool.jsonl").read_text(encoding="utf-8").splitlines():
+        if ln.strip():
+            (held_lines if share("nt" + json.loads(ln)["text"]) < HELD_SHARE else fit_lines).append(ln)
+    (CORPUS / "fit.jsonl").write_text("\n".join(fit_lines) + "\n", encoding="utf-8")
+    (CORPUS / "heldout.jsonl").write_text("\n".join(held_lines) + "\n", encoding="utf-8")
+    tools = []
+    for s in servers:
+        if s not in held:
+            doc = json.loads((catalogs / f"{s}.json").read_text(encoding="utf-8"))
+            tools += [{"name": f"{s}__{t['name']}", "description": t.get("description", ""), "inputSchema": t.get("inputSchema", {})} for t in doc["tools"]]
+    (CORPUS / "fit-catalog.json").write_text(json.dumps({"tools": tools}, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"held-out servers: {', '.join(sorted(held))}")
+    print(f"fit: {len(fit_lines)} items, {len(tools)} tools; held out: {len(held_lines)} items")
+
+
+if __name__ == "__main__":
+    main()

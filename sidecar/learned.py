@@ -1,0 +1,153 @@
+"""What the gate and the ranking learn from labelled data: pure numpy, no model, no I/O.
+
+Two small fitted pieces, both saved in a calibration file:
+
+* `Ranker`: a tool's score for a text is a fitted blend of three views of the tool — cosine
+  to "name words: description", the best cosine over its use-case phrases (its own `cases`
+  when the catalog has them, else derived ones), and BM25 over name + description scaled by
+  the text's best BM25 — fitted with a listwise softmax so the expected tool comes first.
+  Few weights, so it carries to catalogs never seen in fitting.
+* `GateHead`: the probability that a text needs a tool: logistic regression (standardised,
+  L2) on the text's embedding and on features that mean the same for any catalog (the
+  ranker's top score and margins, BM25, source, pattern path, and how close the text is to
+  known tool requests and to known talk that needs no tool). Thresholds are then
+  probabilities, on the same scale for every model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+RANK_FEATURES = ("cosine", "lexical", "cases")
+GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high")
+TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
+
+
+class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Weights over RANK_FEATURES; the default is plain cosine with a little BM25."""
+
+    weights: tuple[float, float, float] = (1.0, 0.1, 0.0)
+
+    def score(self, features: np.ndarray) -> np.ndarray:
+        """(n, tools, 3) -> (n, tools)."""
+        return features @ np.asarray(self.weights, np.float32)
+
+
+def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Stack the three per-tool views, (n, tools) each; BM25 scaled to the text's best."""
+    top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
+    lexical = bm25 / np.maximum(top, 1e-9)
+    return np.stack([cosine, lexical, cases], axis=-1).astype(np.float32)
+
+
+def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float = 1e-4, iters: int = 400, lr: float = 0.5) -> Ranker:
+    """Listwise softmax: maximise the probability mass on each text's expected tools. The
+    softmax sharpness is part of the weights (cosines differ by hundredths, so they grow
+    large); Adam keeps the steps stable across that range."""
+    n, tools, k = features.shape
+    y = np.zeros((n, tools), np.float32)
+    for r, expected in enumerate(targets):
+        y[r, list(expected)] = 1.0 / len(expected)
+    w = TEMPERATURE * np.asarray(Ranker().weights, np.float64)
+    m = np.zeros(k)
+    v = np.zeros(k)
+    for step in range(1, iters + 1):
+        z = features @ w
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        grad = np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + l2 * w
+        m = 0.9 * m + 0.1 * grad
+        v = 0.999 * v + 0.001 * grad * grad
+        w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
+
+
+class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Unit vectors of labelled texts (float16 bytes): tool requests and talk needing none."""
+
+    dim: int
+    tool: bytes
+    none: bytes
+
+    @classmethod
+    def of(cls, tool: np.ndarray, none: np.ndarray) -> Exemplars:
+        return cls(int(tool.shape[1]), tool.astype(np.float16).tobytes(), none.astype(np.float16).tobytes())
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        t = np.frombuffer(self.tool, np.float16).reshape(-1, self.dim).astype(np.float32)
+        n = np.frombuffer(self.none, np.float16).reshape(-1, self.dim).astype(np.float32)
+        return t, n
+
+
+class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    mean: list[float]
+    scale: list[float]
+    coef: list[float]
+    bias: float
+    exemplars: Exemplars
+    features: list[str] = msgspec.field(default_factory=lambda: list(GATE_SCALARS))
+
+    def __post_init__(self) -> None:
+        n = len(self.coef)
+        if len(self.mean) != n or len(self.scale) != n or n != len(GATE_SCALARS) + self.exemplars.dim:
+            raise ValueError("gate head: weights do not match the feature count")
+
+    def probability(self, x: np.ndarray) -> np.ndarray:
+        z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
+        return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.bias)))
+
+
+def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False) -> np.ndarray:
+    """Each vector's best cosine to the exemplars; with `exclude_self`, identical vectors
+    (the text itself, when it is one of them) do not count."""
+    if not len(exemplars):
+        return np.zeros(len(vectors), np.float32)
+    sims = vectors @ exemplars.T
+    if exclude_self:
+        sims = np.where(sims > 0.9995, -1.0, sims)
+    return sims.max(axis=1)
+
+
+def gate_features(
+    scores: np.ndarray,
+    cosine: np.ndarray,
+    cases: np.ndarray,
+    bm25: np.ndarray,
+    llm: np.ndarray,
+    high: np.ndarray,
+    vectors: np.ndarray,
+    near_tool: np.ndarray,
+    near_none: np.ndarray,
+) -> np.ndarray:
+    """Per text: GATE_SCALARS then the embedding. `scores` (n, tools) are the ranker's."""
+    n = len(vectors)
+    if scores.shape[1]:
+        top = -np.sort(-scores, axis=1)[:, :5]
+        top1 = top[:, 0]
+        second = top[:, 1] if top.shape[1] > 1 else top1
+        scal = [top1, top1 - second, top1 - top.mean(axis=1), cosine.max(axis=1), cases.max(axis=1), np.log1p(bm25.max(axis=1))]
+    else:
+        scal = [np.zeros(n)] * 6
+    scal += [llm, near_tool, near_none, near_tool - near_none, high]
+    return np.hstack([np.stack(scal, axis=1), vectors]).astype(np.float64)
+
+
+def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 100.0,
+                  iters: int = 600, lr: float = 0.5) -> GateHead:  # fmt: skip
+    """L2-regularised logistic regression by gradient descent on standardised features. The
+    embedding's many weights get a much stronger penalty than the few catalog-independent
+    scalars: what a labelled corpus's topics say about "needs a tool" does not carry to
+    another catalog's topics, what the scores say does."""
+    mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
+    z = (x - mu) / sd
+    w, b, n = np.zeros(x.shape[1]), 0.0, len(y)
+    l2 = np.where(np.arange(x.shape[1]) < len(GATE_SCALARS), l2, l2_embedding)
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-(z @ w + b)))
+        w -= lr * (z.T @ (p - y) / n + l2 * w / n)
+        b -= lr * float((p - y).mean())
+    return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars)
