@@ -1,4 +1,5 @@
-"""The one flow: text -> patterns -> embedding -> cosine top-k -> gate decision.
+"""The one flow: text -> patterns -> embedding -> ranker (three views of every tool, blended)
+-> gate head (the probability that the text needs a tool) -> gate decision.
 
 The CLI, the server and replay all call `Pipeline.detect_batch`; batching lets the
 server embed the spans of many streams in one llama.cpp call.
