@@ -177,15 +177,24 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict
 
 def run(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> list[Decision]:
     """The pipeline's decisions for every item, in batches (as the server embeds)."""
+    return judged(pipe, items, batch, on_batch)[0]
+
+
+def judged(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> tuple[list[Decision], list]:
+    """Decisions and each item's query vector (None where a negative pattern blocked it
+    unembedded), so ranking the same items need not embed them again."""
     from .pipeline import Request
 
     out: list[Decision] = []
+    vectors: list = []
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
-        out.extend(pipe.detect_batch([Request(i.text, i.source) for i in chunk]))
+        j = pipe.judge_batch([Request(i.text, i.source) for i in chunk])
+        out.extend(j.decisions)
+        vectors.extend(j.vectors)
         if on_batch:
             on_batch(len(chunk))
-    return out
+    return out, vectors
 
 
 class BaselineReport(msgspec.Struct):
@@ -251,18 +260,18 @@ def evaluate(pipe, items: Sequence[Labeled], k: int = 10, bar=None, recommender=
     from .recommend.filters import Context
 
     tick = bar.update if bar is not None else None
-    decisions = run(pipe, items, on_batch=tick)
+    decisions, vectors = judged(pipe, items, on_batch=tick)
     positives = [i for i in items if i.positive]
     ranker: list[list[str]] = []
-    for lo in range(0, len(positives), 16):
-        chunk = positives[lo : lo + 16]
-        found = pipe.rank_batch([Request(i.text, i.source) for i in chunk], k)
-        ranker.extend([c.tool for c in cands] for cands in found)
-        if tick:
-            tick(len(chunk))
+    for item, vector in zip(items, vectors):  # ranked on the vector the gate already made
+        if item.positive:
+            ranker.append([c.tool for c in pipe.rank_batch([Request(item.text, item.source)], k, vector)[0]])
+            if tick:
+                tick(1)
     ranked = ranker
     if recommender is not None:
-        ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k).results] for i in positives]
+        ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k, query_vector=v).results]
+                  for i, v in zip(items, vectors) if i.positive]  # fmt: skip
     tops = iter(r[0] if r else None for r in ranked)
     first = [next(tops) if i.positive else d.tool for i, d in zip(items, decisions)]
     if bar is not None:

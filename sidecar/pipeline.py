@@ -85,9 +85,13 @@ class Pipeline:
     def index_for(self, source: str) -> ToolIndex:
         return self.indexes[str(self.strategies[source])]
 
-    def rank_batch(self, requests: Sequence[Request], k: int = 10) -> list[list[Candidate]]:
-        """The ranking alone, gate aside: what a tool search on demand returns."""
-        vectors = self.embedder.embed([r.text for r in requests], "query").vectors
+    def rank_batch(self, requests: Sequence[Request], k: int = 10, vector: np.ndarray | None = None) -> list[list[Candidate]]:
+        """The ranking alone, gate aside: what a tool search on demand returns. `vector`: a
+        single request's embedding when the caller already has it."""
+        if vector is not None and len(requests) == 1:
+            vectors = np.asarray(vector, np.float32)[None, :]
+        else:
+            vectors = self.embedder.embed([r.text for r in requests], "query").vectors
         return [self._top(v.scores[0], v.index, q, k) for v, q in zip(self.views(requests, vectors), vectors)]
 
     def views(self, requests: Sequence[Request], vectors: np.ndarray) -> list[Views]:
