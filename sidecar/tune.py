@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from .calibration import Calibration
-from .catalog import Catalog
+from .catalog import SEP, Catalog
 from .config import Config
 from .evaluate import Labeled, gate_report, ranking_report, run
 from .gate import Thresholds, ToolThresholds, screen
@@ -314,7 +314,7 @@ def fit(
     views = pipe.views(requests, q)
     screens = [screen(r.text, r.source, pipe.patterns) for r in requests]
     live = np.array([not s.blocked for s in screens])
-    tools = [pipe._top(v.scores[0], v.index, vec, 1)[0].tool for v, vec in zip(views, q)]
+    tools = [v.index.names[int(np.argmax(v.scores[0]))] for v in views]  # each text's best tool
     exemplars = _exemplars(q, pos, seed)
     x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True)
     y = pos.astype(float)
@@ -383,7 +383,7 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars
 
 
 def server_of(tool: str) -> str:
-    return tool.split("__")[0] if "__" in tool else tool
+    return tool.split(SEP)[0] if SEP in tool else tool
 
 
 def query_vectors(pipe: Pipeline, texts: Sequence[str]) -> np.ndarray:
