@@ -1,15 +1,24 @@
-"""Recommendation latency at 100, 1,000 and 10,000 tools, and ranking quality with and
-without a synthetic failure history.
+"""Recommendation at 100, 1,000 and 10,000 tools: index build (cold), start from the store
+(warm), recommendation latency; and ranking quality with and without a failure history.
 
-    .venv/bin/python bench/recommend_latency.py [--model all-minilm-l6-v2] [--sizes 100,1000,10000]
+    .venv/bin/python bench/recommend_latency.py [--model all-minilm-l6-v2] [--sizes 100,1000,10000] [--json]
 
-Scale: catalogs are synthesised from the 462 real tools of fixtures/catalogs/ALL.json,
-replicated under distinct server names (server2__read_file, ...) until the size is reached.
-The index strategy renders the server name into the texts, so every replica is embedded
-(about 35 s per 1,000 tools with the small model on 2 busy cores; 10,000 takes well over
-10 minutes): the small model is the default because the latency measured is the
-recommender's (query embedding + retrieval + scoring), not indexing. The recommendation
-cache is off: every query is computed.
+Scale: catalogs are synthesised from the 462 real tools of fixtures/catalogs/ALL.json. The
+first copy is the real catalog; every further copy of a tool lives on its own server
+(github2, github3, ...) and is a variant of it: a qualifier word in its name, title and
+description ("search_notes_billing": "Search billing notes ..."), so none of its texts is
+another tool's and a cold build embeds all of them, as a catalog of 10,000 distinct tools
+would.
+
+Per size, each in a fresh store file:
+  build_cold_s  `pipeline.from_config` on an empty store: model load, every text embedded
+                (index_cold_s: the semantic index's part, texts: how many it embedded);
+  load_warm_s   the same again on the reopened store, as a restart: every vector from the store
+                (index_warm_s: the semantic index's part);
+  recommend     p50 / p99 ms of `Recommender.recommend` (cache off, so every query is
+                embedded and ranked) over 24 queries x --rounds, per mode; the JSON's
+                recommend_p50_ms / recommend_p99_ms are the default mode's.
+--json prints a JSON list, one object per size, and skips the quality part.
 
 Quality: labelled queries over the real catalog (each with the tools that answer it), split
 into a dev half and a held-out half that was written apart and never used to set a
@@ -35,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar import catalog as catalog_mod  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
 from sidecar import models, pipeline  # noqa: E402
-from sidecar.catalog import Catalog  # noqa: E402
+from sidecar.catalog import Catalog, Tool  # noqa: E402
 from sidecar.config import RecommendConfig  # noqa: E402
 from sidecar.metrics import MetricsStore, key_of  # noqa: E402
 from sidecar.recommend import Recommender  # noqa: E402
@@ -74,15 +83,27 @@ HELDOUT = [
 LATENCY_QUERIES = [q for q, _ in DEV + HELDOUT]
 
 
+QUALIFIERS = ("billing", "staging", "archive", "team", "legacy", "sandbox", "customer", "partner", "internal",
+              "regional", "backup", "finance", "marketing", "support", "research", "mobile", "vendor", "audit",
+              "training", "hr", "sales", "ops", "security", "design", "lab")  # fmt: skip
+
+
+def variant(t: Tool, k: int) -> Tool:
+    """The k-th copy of a real tool (k >= 1): its own server, a qualifier in its texts."""
+    q = QUALIFIERS[(k - 1) % len(QUALIFIERS)] + ("" if k <= len(QUALIFIERS) else str(k))
+    server = f"{t.server}{k + 1}"
+    head, _, rest = (t.description or "").partition(" ")
+    return msgspec.structs.replace(
+        t, name=f"{server}__{t.bare_name}_{q}", server=server,
+        title=f"{q.title()} {t.title}" if t.title else None, description=f"{head} {q} {rest}".strip(),
+        cases=[f"{c} ({q})" for c in t.cases] if t.cases else t.cases)  # fmt: skip
+
+
 def synthesise(base: Catalog, size: int) -> Catalog:
-    tools = []
-    k = 0
+    tools = list(base)[:size]
+    k = 1
     while len(tools) < size:
-        for t in base:
-            if len(tools) >= size:
-                break
-            server = t.server if k == 0 else f"{t.server}{k + 1}"
-            tools.append(msgspec.structs.replace(t, name=f"{server}__{t.bare_name}", server=server))
+        tools.extend(variant(t, k) for t in list(base)[: size - len(tools)])
         k += 1
     return Catalog(tools, [f"synthetic:{size}"])
 
@@ -92,7 +113,27 @@ def load_pipeline(model: str, catalog: Catalog, store: Store) -> pipeline.Pipeli
     return pipeline.from_config(cfg, catalog=catalog, store=store, progress=False)
 
 
-def latency(pipe: pipeline.Pipeline, metrics: MetricsStore, mode: str, rounds: int) -> dict:
+class Latency(msgspec.Struct):
+    p50_ms: float
+    p99_ms: float
+    n: int
+
+
+class SizeResult(msgspec.Struct):
+    tools: int
+    model: str
+    texts: int  # distinct texts the cold build embedded
+    build_cold_s: float
+    index_cold_s: float
+    load_warm_s: float
+    index_warm_s: float
+    recommend_p50_ms: float  # the default mode's
+    recommend_p99_ms: float
+    mode: str
+    by_mode: dict[str, Latency]
+
+
+def latency(pipe: pipeline.Pipeline, metrics: MetricsStore, mode: str, rounds: int) -> Latency:
     rec = Recommender(pipe, metrics, RecommendConfig(cache_ttl_s=0))
     rec.recommend("warm up", mode=mode)
     times = []
@@ -102,7 +143,32 @@ def latency(pipe: pipeline.Pipeline, metrics: MetricsStore, mode: str, rounds: i
             rec.recommend(q, mode=mode)
             times.append((time.perf_counter() - t0) * 1000)
     a = np.asarray(times)
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "n": len(a)}
+    return Latency(float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a))
+
+
+def measure_size(model: str, base: Catalog, size: int, tmp: pathlib.Path, rounds: int) -> SizeResult:
+    """Cold build, warm start and recommendation latency at one catalog size, in a fresh store."""
+    cat = synthesise(base, size)
+    path = tmp / f"index-{size}.db"
+    store = Store(path)
+    t0 = time.perf_counter()
+    cold = load_pipeline(model, cat, store)
+    build_cold = time.perf_counter() - t0
+    cold_stats = next(iter(cold.indexes.values())).stats
+    del cold
+    store.close()
+    store = Store(path)  # a restart: a new connection to the same file
+    t0 = time.perf_counter()
+    pipe = load_pipeline(model, cat, store)
+    load_warm = time.perf_counter() - t0
+    warm_stats = next(iter(pipe.indexes.values())).stats
+    assert warm_stats.embedded == 0, warm_stats
+    metrics = MetricsStore(Store(tmp / f"m{size}.db"))
+    fail(metrics, cat, random.Random(size).sample(cat.names(), max(1, size // 10)), time.time())  # a history to read
+    by_mode = {mode: latency(pipe, metrics, mode, rounds) for mode in ("semantic", "hybrid", "lexical")}
+    default = RecommendConfig().mode
+    return SizeResult(size, pipe.embedder.name, cold_stats.embedded, build_cold, cold_stats.seconds, load_warm, warm_stats.seconds,
+                      by_mode[default].p50_ms, by_mode[default].p99_ms, default, by_mode)  # fmt: skip
 
 
 def quality(rec: Recommender, items, mode: str) -> dict:
@@ -125,30 +191,33 @@ def fail(metrics: MetricsStore, catalog: Catalog, names, now: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=models.SMALL_MODEL)
+    ap.add_argument("--model", default=models.SMALL_MODEL, help="NAME or NAME:QUANT")
     ap.add_argument("--quality-model", action="append", help="models for the quality part (default: small and default)")
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print a JSON list, one object per size; no quality part")
     args = ap.parse_args()
     base = catalog_mod.load([ALL])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-bench-"))
-    store = Store(tmp / "bench.db")
-    print(f"latency ({args.model}, cache off, {len(LATENCY_QUERIES)} queries x {args.rounds} rounds, ms)")
-    print(f"{'tools':>7} {'mode':>8} {'p50':>8} {'p99':>8}   index build")
+    results = []
+    if not args.json:
+        print(f"{args.model}: index and start in s, recommendation in ms (cache off, {len(LATENCY_QUERIES)} queries x {args.rounds} rounds)")
+        print(f"{'tools':>7} {'texts':>7} {'cold':>8} {'(index)':>8} {'warm':>7} {'(index)':>8}   {'mode':>8} {'p50':>7} {'p99':>7}")
     for size in map(int, args.sizes.split(",")):
-        cat = synthesise(base, size)
-        t0 = time.perf_counter()
-        pipe = load_pipeline(args.model, cat, store)
-        built = time.perf_counter() - t0
-        metrics = MetricsStore(Store(tmp / f"m{size}.db"))
-        fail(metrics, cat, random.Random(size).sample(cat.names(), max(1, size // 10)), time.time())  # a history to read
-        for mode in ("hybrid", "semantic", "lexical"):
-            r = latency(pipe, metrics, mode, args.rounds)
-            print(f"{size:>7} {mode:>8} {r['p50']:>8.2f} {r['p99']:>8.2f}   {built:.1f} s", flush=True)
-        del pipe
+        r = measure_size(args.model, base, size, tmp, args.rounds)
+        results.append(r)
+        if not args.json:
+            for i, (mode, lat) in enumerate(r.by_mode.items()):
+                head = (f"{r.tools:>7} {r.texts:>7} {r.build_cold_s:>8.1f} {r.index_cold_s:>8.1f} {r.load_warm_s:>7.2f} {r.index_warm_s:>8.2f}"
+                        if i == 0 else " " * 52)  # fmt: skip
+                print(f"{head}   {mode:>8} {lat.p50_ms:>7.2f} {lat.p99_ms:>7.2f}", flush=True)
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(results) + b"\n")
+        return
 
     print("\nranking quality on the real catalog (462 tools), expected tool's rank in the top 10")
     print(f"{'model':<24} {'scenario':<28} {'set':<8} {'mode':<8} {'top1':>6} {'MRR':>6}")
+    store = Store(tmp / "bench.db")
     for model in args.quality_model or [models.SMALL_MODEL, models.DEFAULT_MODEL]:
         pipe = load_pipeline(model, base, store)
         expected = {n for _, e in DEV + HELDOUT for n in e}

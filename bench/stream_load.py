@@ -1,25 +1,43 @@
-"""Load on the streaming server: N concurrent streams at R tokens/s over loopback.
+"""Load on the streaming server, per configuration: N concurrent streams at R tokens/s over
+loopback, and the replay quality of the same configuration, side by side.
 
-For each model, starts `sidecar serve` on 127.0.0.1 (or uses --url), opens N connections
-that each stream LLM replies word by word at R tokens/s for a bounded duration, and
-reports per N:
+Each configuration (`--configs`; see CONFIGS) is a TOML file handed to both `sidecar serve`
+and `sidecar replay`:
+
+- `baseline`: the default model judging every clause: the query cache off
+  (`index.query_cache = 0`) and every longer span of a growing clause judged
+  (`server.rejudge_unchanged = true`);
+- `default`: what ships (no key set);
+- `minilm`: what ships, with the small model.
+
+For each, it starts `sidecar serve` on 127.0.0.1, opens N connections that each stream LLM
+replies word by word at R tokens/s for `--duration` seconds, and measures:
 
 - decision latency after a clause boundary, client side: from sending the token that
   completed the clause (the whitespace after its terminator) to receiving the `decision`
-  message (hello.decisions opts in, so silent decisions are timed too); and the server's own
-  `latency_ms` from the frame's arrival to the message;
+  message (hello.decisions opts in, so silent decisions are timed too);
 - CPU use of the server process (process_cpu_seconds_total from /metrics, all threads;
   100% = one core);
-- evaluations dropped under load (sidecar_dropped_evaluations_total from /metrics);
-- how far the load generator itself fell behind its schedule (if it did, the client side
-  numbers include its own delays).
+- evaluations dropped under load (`stale` and `overflow`; `superseded` spans are counted
+  apart: their newer span, which contains them, is judged);
+- the work it skipped: query cache hits and spans of growing clauses not judged again.
 
-Then it searches (doubling, then bisecting) for the largest N whose median p99 over
---repeat runs stays under --target-ms at --rate tokens/s.
+It searches (doubling, then bisecting, up to `--max-streams`) for the largest N whose p99 is
+at most `--target-ms` with nothing dropped: `capacity_streams`. Then it runs
+`sidecar replay --json` over fixtures/transcripts/*.jsonl (catalog ALL.json) with the same
+config for precision, recall and lead time.
 
-    .venv/bin/python bench/stream_load.py                       # both models, search
-    .venv/bin/python bench/stream_load.py --models all-minilm-l6-v2 --streams 1 8 32
+The replies are clauses of the labelled corpus (reply-side texts) and of the transcripts,
+shuffled with a fixed seed and handed out without replacement, so a configuration's cache
+finds a repeat only once the pool is used up (the worst case for the cache; real replies
+repeat openers more often): `cache_hit_rate` says how much it found. Every configuration
+gets the same texts in the same order.
+
+    .venv/bin/python bench/stream_load.py --json --duration 5 --max-streams 64 > out.json
+    .venv/bin/python bench/stream_load.py --configs minilm --streams 1 8 32
     .venv/bin/python bench/stream_load.py --url ws://127.0.0.1:8765 --streams 16
+
+Progress goes to stderr; with --json, stdout holds only the JSON list.
 """
 
 from __future__ import annotations
@@ -27,16 +45,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import itertools
+import json
+import math
 import os
 import pathlib
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+import msgspec
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,13 +68,74 @@ sys.path.insert(0, str(ROOT))
 from sidecar import models  # noqa: E402
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient, tokens  # noqa: E402
+from sidecar.transcripts import read_transcripts  # noqa: E402
 
 NOTES = ROOT / "fixtures" / "catalogs" / "notes.json"
-REPLY = (
-    "Sure, I can help with that. I should call semantic_search to find the kubernetes setup. "
-    "The cluster runs three nodes; each one hosts part of the control plane. "
-    "Let me create a note with this meeting summary. That should cover everything you asked for.\n"
-)
+ALL = ROOT / "fixtures" / "catalogs" / "ALL.json"
+TRANSCRIPTS = sorted((ROOT / "fixtures" / "transcripts").glob("*.jsonl"))
+CORPUS = [ROOT / "fixtures" / "corpus" / "fit.jsonl", ROOT / "fixtures" / "corpus" / "heldout.jsonl"]
+CLAUSES_PER_REPLY = 5
+
+# name -> the TOML it runs with (catalogs, store and port come from the command line)
+CONFIGS = {
+    "baseline": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[index]\nquery_cache = 0\n[server]\nrejudge_unchanged = true\n',
+    "default": "",
+    "minilm": f'[model]\nname = "{models.SMALL_MODEL}"\n',
+}
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+class Item(msgspec.Struct):
+    text: str
+    source: str = "user"
+
+
+def clause_pool(seed: int) -> list[str]:
+    """Reply-side clauses: the corpus's `llm` texts and the transcripts' assistant sentences,
+    each ending in a terminator (so each is a boundary), shuffled."""
+    texts: list[str] = []
+    for path in CORPUS:
+        for line in path.read_bytes().splitlines():
+            if line.strip():
+                item = msgspec.json.decode(line, type=Item)
+                if item.source == "llm":
+                    texts.append(item.text)
+    for conv in read_transcripts(TRANSCRIPTS, None):
+        for m in conv.messages:
+            if m.role == "assistant" and m.content:
+                texts += re.split(r"(?<=[.!?])\s+", m.content)
+    out = []
+    for t in dict.fromkeys(" ".join(t.split()) for t in texts):
+        if sum(c.isalnum() for c in t) >= 3:
+            out.append(t if t[-1] in ".!?" else t + ".")
+    random.Random(seed).shuffle(out)
+    return out
+
+
+class Workload:
+    """Hands out clauses from the pool without replacement, to whichever stream needs the
+    next one (cycling once the pool is used up)."""
+
+    def __init__(self, pool: list[str]):
+        self.pool = pool
+        self.used = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        text = self.pool[self.used % len(self.pool)]
+        self.used += 1
+        return text
+
+
+def replies(clauses: Workload):
+    """Replies of CLAUSES_PER_REPLY clauses, the last one ended by a newline."""
+    while True:
+        yield " ".join(itertools.islice(clauses, CLAUSES_PER_REPLY)) + "\n"
 
 
 class Run:
@@ -66,6 +150,10 @@ class Run:
         self.tokens = 0
         self.cpu = 0.0
         self.dropped = 0.0
+        self.superseded = 0.0
+        self.hits = 0.0
+        self.misses = 0.0
+        self.unchanged = 0.0
         self.seconds = 0.0
 
 
@@ -78,11 +166,9 @@ def boundary_char(text: str, end: int) -> int:
     return i
 
 
-async def one_stream(url: str, idx: int, rate: float, t0: float, duration: float, run: Run, token: str | None) -> None:
+async def one_stream(url: str, idx: int, work: Workload, rate: float, t0: float, duration: float, run: Run, token: str | None) -> None:
     sc = await SidecarClient.connect(url, session=f"bench-{idx}", token=token, decisions=True)
-    pieces = tokens(REPLY)
-    starts = list(np.cumsum([0] + [len(t) for t in pieces[:-1]]))
-    sent: dict[str, list[float]] = {}  # stream id -> send time per token
+    sent: dict[str, tuple[str, list[int], list[float]]] = {}  # stream id -> reply, token starts, send times
     done = asyncio.Event()
 
     async def read() -> None:
@@ -92,9 +178,9 @@ async def one_stream(url: str, idx: int, rate: float, t0: float, duration: float
                 run.injects += 1
             elif isinstance(msg, p.DecisionReport):
                 run.decisions += 1
-                times = sent.get(msg.stream)
-                if msg.reason == "boundary" and times is not None:
-                    k = bisect.bisect_right(starts, boundary_char(REPLY, msg.end)) - 1
+                if msg.reason == "boundary" and msg.stream in sent:
+                    text, starts, times = sent[msg.stream]
+                    k = bisect.bisect_right(starts, boundary_char(text, msg.end)) - 1
                     run.client_ms.append((now - times[k]) * 1000)
                     run.server_ms.append(msg.latency_ms)
             if done.is_set() and isinstance(msg, p.Pong):
@@ -103,22 +189,24 @@ async def one_stream(url: str, idx: int, rate: float, t0: float, duration: float
     reader = asyncio.create_task(read())
     step = 1.0 / rate
     due = t0 + random.random() * step  # streams out of phase, as real ones are
-    n = 0
-    while due < t0 + duration:
+    for n, reply in enumerate(replies(work)):
+        if due >= t0 + duration:
+            break
         sid = f"s{idx}-{n}"
-        times = sent[sid] = []
+        pieces = tokens(reply)
+        times: list[float] = []
+        sent[sid] = (reply, [int(x) for x in np.cumsum([0] + [len(t) for t in pieces[:-1]])], times)
         for piece in pieces:
             delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             now = time.perf_counter()
             run.lag_ms.append(max(0.0, now - due) * 1000)
-            await sc.token(sid, piece)
             times.append(now)
+            await sc.token(sid, piece)
             run.tokens += 1
             due += step
         await sc.end(sid)
-        n += 1
     done.set()
     await sc.ping()
     try:
@@ -140,20 +228,25 @@ def scrape(http: str, token: str | None) -> dict[str, float]:
     return out
 
 
-def dropped(m: dict[str, float]) -> float:
-    return sum(v for k, v in m.items() if k.startswith("sidecar_dropped_evaluations_total"))
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def load(url: str, n: int, rate: float, duration: float, token: str | None) -> Run:
+async def load(url: str, n: int, work: Workload, args, token: str | None) -> Run:
     http = "http" + url[2:]
     run = Run()
     before = await asyncio.to_thread(scrape, http, token)
     t0 = time.perf_counter() + 0.5 + n * 0.005  # connections open before the clock starts
-    await asyncio.gather(*(one_stream(url, i, rate, t0, duration, run, token) for i in range(n)))
+    await asyncio.gather(*(one_stream(url, i, work, args.rate, t0, args.duration, run, token) for i in range(n)))
     run.seconds = time.perf_counter() - t0
     after = await asyncio.to_thread(scrape, http, token)
-    run.cpu = (after["process_cpu_seconds_total"] - before["process_cpu_seconds_total"]) / run.seconds
-    run.dropped = dropped(after) - dropped(before)
+    run.cpu = delta(after, before, "process_cpu_seconds_total") / run.seconds
+    drops = 'sidecar_dropped_evaluations_total{reason="%s"}'
+    run.dropped = delta(after, before, drops % "stale") + delta(after, before, drops % "overflow")
+    run.superseded = delta(after, before, drops % "superseded")
+    run.hits = delta(after, before, "sidecar_query_cache_hits_total")
+    run.misses = delta(after, before, "sidecar_query_cache_misses_total")
+    run.unchanged = delta(after, before, "sidecar_spans_unchanged_total")
     return run
 
 
@@ -172,61 +265,92 @@ class Summary:
         self.srv_p50 = med(pct(r.server_ms, 50) for r in runs)
         self.srv_p99 = med(pct(r.server_ms, 99) for r in runs)
         self.cpu = med(r.cpu for r in runs)
-        self.dropped = med(r.dropped for r in runs)
+        self.dropped = max(r.dropped for r in runs)
+        self.superseded = med(r.superseded for r in runs)
         self.decisions = med(r.decisions for r in runs)
         self.lag_p99 = med(pct(r.lag_ms, 99) for r in runs)
         self.p99s = [pct(r.client_ms, 99) for r in runs]
+        judged = sum(r.hits + r.misses for r in runs)
+        self.cache_hit_rate = sum(r.hits for r in runs) / judged if judged else 0.0
+        self.unchanged = med(r.unchanged for r in runs)
+        self.tokens = med(r.tokens for r in runs)
+
+    def passes(self, target_ms: float) -> bool:
+        return self.p99 <= target_ms and self.dropped == 0
 
     def row(self) -> str:
         p99s = "/".join(f"{x:.0f}" for x in self.p99s)
         return (f"{self.n:>5} {self.p50:>8.1f} {self.p99:>8.1f} {self.srv_p50:>8.1f} {self.srv_p99:>8.1f} "
-                f"{self.cpu * 100:>6.0f}% {self.dropped:>7.0f} {self.decisions:>9.0f} {self.lag_p99:>8.1f}   {p99s}")  # fmt: skip
+                f"{self.cpu * 100:>6.0f}% {self.dropped:>7.0f} {self.superseded:>6.0f} {self.decisions:>9.0f} "
+                f"{self.cache_hit_rate:>6.1%} {self.unchanged:>9.0f} {self.lag_p99:>8.1f}   {p99s}")  # fmt: skip
+
+    def json(self) -> dict:
+        r = _ms
+        return {"streams": self.n, "p50_ms": r(self.p50), "p99_ms": r(self.p99), "server_p50_ms": r(self.srv_p50),
+                "server_p99_ms": r(self.srv_p99), "cpu_pct": r(self.cpu * 100), "dropped": self.dropped,
+                "superseded": self.superseded, "decisions": self.decisions, "tokens": self.tokens,
+                "cache_hit_rate": round(self.cache_hit_rate, 4), "spans_unchanged": self.unchanged,
+                "lag_p99_ms": r(self.lag_p99)}  # fmt: skip
 
 
-HEADER = f"{'N':>5} {'p50 ms':>8} {'p99 ms':>8} {'srv p50':>8} {'srv p99':>8} {'cpu':>7} {'dropped':>7} {'decisions':>9} {'lag p99':>8}   p99 per run"
+def _ms(x: float) -> float | None:
+    """Rounded for the JSON; None for NaN (no boundary decision came)."""
+    return None if math.isnan(x) else round(x, 1)
 
 
-async def measure(url: str, n: int, args, token: str | None) -> Summary:
-    runs = [await load(url, n, args.rate, args.duration, token) for _ in range(args.repeat)]
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b in (None, 0) else round(a / b, 3)
+
+
+HEADER = (f"{'N':>5} {'p50 ms':>8} {'p99 ms':>8} {'srv p50':>8} {'srv p99':>8} {'cpu':>7} {'dropped':>7} {'supers':>6} "
+          f"{'decisions':>9} {'cache':>6} {'unchanged':>9} {'lag p99':>8}   p99 per run")  # fmt: skip
+
+
+async def measure(url: str, n: int, work: Workload, args, token: str | None) -> Summary:
+    runs = [await load(url, n, work, args, token) for _ in range(args.repeat)]
     s = Summary(n, runs)
-    print(s.row(), flush=True)
+    log(s.row())
     return s
 
 
-async def search(url: str, args, token: str | None) -> tuple[int, list[Summary]]:
-    """Largest N with median p99 < target: double until it fails, then bisect."""
+async def search(url: str, work: Workload, args, token: str | None) -> tuple[int, list[Summary]]:
+    """Largest N (up to --max-streams) that passes: double until it fails, then bisect."""
     rows: list[Summary] = []
     ok, bad, n = 0, None, 1
     while n <= args.max_streams:
-        s = await measure(url, n, args, token)
+        s = await measure(url, n, work, args, token)
         rows.append(s)
-        if s.p99 < args.target_ms:
+        if s.passes(args.target_ms):
             ok, n = n, n * 2
         else:
             bad = n
             break
     while bad is not None and bad - ok > max(1, ok // 8):
         mid = (ok + bad) // 2
-        s = await measure(url, mid, args, token)
+        s = await measure(url, mid, work, args, token)
         rows.append(s)
-        ok, bad = (mid, bad) if s.p99 < args.target_ms else (ok, mid)
+        ok, bad = (mid, bad) if s.passes(args.target_ms) else (ok, mid)
     return ok, rows
 
 
-async def serve(model: str, store: pathlib.Path, threads: int | None) -> tuple[asyncio.subprocess.Process, str]:
-    env = {**os.environ, **({"SIDECAR_THREADS": str(threads)} if threads else {})}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", model, "--catalog", str(NOTES), "--store", str(store),
-        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=env,
-    )  # fmt: skip
-    for _ in range(100):
+def _cli(cfg: pathlib.Path, args) -> tuple[list[str], list[str]]:
+    """The command and the options every `sidecar` call of a configuration shares."""
+    return [sys.executable, "-m", "sidecar"], ["--config", str(cfg)] + (["--store", args.store] if args.store else [])
+
+
+async def serve(cfg: pathlib.Path, args) -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, **({"SIDECAR_THREADS": str(args.threads)} if args.threads else {})}
+    exe, common = _cli(cfg, args)
+    proc = await asyncio.create_subprocess_exec(*exe, "serve", *common, "--port", "0", "--catalog", str(args.catalog),
+                                                stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=env)  # fmt: skip
+    for _ in range(200):
         line = (await proc.stderr.readline()).decode()
         if found := re.search(r"listening on (ws://\S+)", line):
             asyncio.create_task(_drain(proc.stderr))
             return proc, found.group(1)
         if not line:
             break
-    raise RuntimeError(f"sidecar serve did not start for {model}")
+    raise RuntimeError(f"sidecar serve did not start with {cfg}: {line.strip()}")
 
 
 async def _drain(stream) -> None:
@@ -234,49 +358,110 @@ async def _drain(stream) -> None:
         pass
 
 
-async def bench_model(model: str | None, args) -> None:
+async def load_config(name: str, cfg: pathlib.Path | None, args) -> dict:
+    """The load half of one configuration: its server, its search (or fixed N)."""
     proc = None
     url = args.url
     if url is None:
-        proc, url = await serve(model, pathlib.Path(args.tmp) / f"{model}.db", args.threads)
+        proc, url = await serve(cfg, args)
     try:
         probe = await SidecarClient.connect(url, session="probe", token=args.token, wait_s=300)
-        name = probe.ready.model
+        model = probe.ready.model
         await probe.close()
-        threads = args.threads or "default"
-        print(f"\n== {name} (model threads: {threads}): {args.rate:g} tokens/s per stream, {args.duration:g} s per run, {args.repeat} runs per N (medians) ==")
-        print(HEADER)
+        work = Workload(clause_pool(args.seed))
+        log(f"\n== {name}: {model} (threads: {args.threads or 'default'}), {args.rate:g} tokens/s per stream, "
+            f"{args.duration:g} s per run, {args.repeat} run(s) per N ==")  # fmt: skip
+        log(HEADER)
         if args.streams:
-            for n in args.streams:
-                await measure(url, n, args, args.token)
+            rows = [await measure(url, n, work, args, args.token) for n in args.streams]
+            passing = [s.n for s in rows if s.passes(args.target_ms)]
+            best = max(passing, default=0)
         else:
-            best, _ = await search(url, args, args.token)
-            print(f"largest N with p99 < {args.target_ms:g} ms at {args.rate:g} tokens/s: {best}")
+            best, rows = await search(url, work, args, args.token)
+            log(f"{name}: largest N with p99 <= {args.target_ms:g} ms and nothing dropped: {best}")
     finally:
         if proc is not None:
             proc.terminate()
             await proc.wait()
+    at = next((s for s in rows if s.n == best), rows[0])  # the figures at capacity (at the first N when none passed)
+    return {"config": name, "model": model, "capacity_streams": best, "p50_ms": at.json()["p50_ms"], "p99_ms": at.json()["p99_ms"],
+            "cpu_pct": at.json()["cpu_pct"], "at_streams": at.n, "runs": [s.json() for s in rows]}  # fmt: skip
+
+
+def replay(cfg: pathlib.Path, args) -> dict:
+    """`sidecar replay --json` over the transcripts with this configuration."""
+    exe, common = _cli(cfg, args)
+    t0 = time.perf_counter()
+    out = subprocess.run([*exe, "replay", *map(str, TRANSCRIPTS), "--catalog", str(ALL), *common, "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=1800, check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"sidecar replay failed: {out.stderr.strip()[-500:]}")
+    s = json.loads(out.stdout)
+    return {"precision": s["precision"], "recall": s["recall"], "false_fires": s["false_fires"], "injections": s["injections"],
+            "lead_time_chars": s["lead_time_chars"], "lead_time_tokens": s["lead_time_tokens"],
+            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def ratios(results: list[dict]) -> None:
+    """Each configuration's figures over the baseline's of the same run (the machine is shared:
+    absolute timings move with its load, ratios less)."""
+    base = next((r for r in results if r["config"] == "baseline"), None)
+    if base is None:
+        return
+    b1 = base["runs"][0]  # the first N measured, the same for every config
+    for r in results:
+        r1 = r["runs"][0]
+        r["vs_baseline"] = {
+            "capacity_streams": _ratio(r["capacity_streams"], base["capacity_streams"]),
+            "p50_ms_at_first_n": _ratio(r1["p50_ms"], b1["p50_ms"]),
+            "p99_ms_at_first_n": _ratio(r1["p99_ms"], b1["p99_ms"]),
+            "cpu_pct_at_first_n": _ratio(r1["cpu_pct"], b1["cpu_pct"]),
+        }
+        if "replay" in r and "replay" in base:
+            r["vs_baseline"]["precision_points"] = round(100 * (r["replay"]["precision"] - base["replay"]["precision"]), 1)
+            r["vs_baseline"]["recall_points"] = round(100 * (r["replay"]["recall"] - base["replay"]["recall"]), 1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", help="a running sidecar (default: start one per model on 127.0.0.1)")
-    ap.add_argument("--models", nargs="+", default=[models.SMALL_MODEL, models.DEFAULT_MODEL])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), help="configurations to measure (default: all)")
+    ap.add_argument("--json", action="store_true", help="print a JSON list, one object per configuration, on stdout")
+    ap.add_argument("--url", help="measure a running sidecar instead (no configurations, no replay)")
     ap.add_argument("--streams", type=int, nargs="+", help="fixed N values (default: search for the largest passing N)")
     ap.add_argument("--rate", type=float, default=50.0, help="tokens/s per stream (default 50)")
-    ap.add_argument("--duration", type=float, default=6.0, help="seconds per run (default 6)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per N; medians are reported (default 3)")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per run (default 5)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per N; medians are reported (default 1)")
     ap.add_argument("--target-ms", type=float, default=50.0)
-    ap.add_argument("--max-streams", type=int, default=512)
+    ap.add_argument("--max-streams", type=int, default=64, help="the search stops here (default 64)")
+    ap.add_argument("--catalog", type=pathlib.Path, default=NOTES, help="the server's catalog under load (default notes.json)")
+    ap.add_argument("--store", help="the store both commands use (default: the CLI's; it caches the tools' embeddings)")
+    ap.add_argument("--no-replay", action="store_true", help="skip the replay half")
+    ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--token", help="the server's shared token, with --url")
-    ap.add_argument("--threads", type=int, help="llama.cpp threads of the server it starts (SIDECAR_THREADS; default: the config's)")
+    ap.add_argument("--threads", type=int, help="llama.cpp threads of the servers it starts (SIDECAR_THREADS; default: the config's)")
     args = ap.parse_args()
     if args.url and args.url.split(":")[1].strip("/") not in ("127.0.0.1", "localhost", "[::1]"):
         ap.error("loopback only: --url must be ws://127.0.0.1:PORT")
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        for model in [None] if args.url else args.models:
-            asyncio.run(bench_model(model, args))
+        for name in ["url"] if args.url else args.configs:
+            cfg = None
+            if not args.url:
+                cfg = pathlib.Path(tmp) / f"{name}.toml"
+                cfg.write_text(CONFIGS[name])
+            result = asyncio.run(load_config(name, cfg, args))
+            if cfg is not None and not args.no_replay:
+                log(f"{name}: replaying {len(TRANSCRIPTS)} transcripts on ALL.json ...")
+                result["replay"] = replay(cfg, args)
+                log(f"{name}: replay {result['replay']}")
+            results.append(result)
+    ratios(results)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for r in results:
+            log(f"{r['config']}: capacity {r['capacity_streams']} streams; at N={r['at_streams']}: p50 {r['p50_ms']} / p99 {r['p99_ms']} ms, "
+                f"cpu {r['cpu_pct']}%; replay {r.get('replay')}")  # fmt: skip
     return 0
 
 

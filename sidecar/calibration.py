@@ -12,6 +12,7 @@ import pathlib
 
 import msgspec
 
+from . import models
 from .config import GateConfig
 from .gate import Thresholds
 from .learned import GateHead, Ranker
@@ -50,15 +51,18 @@ DEFAULT_LLM_STRATEGY = "base"
 
 def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration | None, str]:
     """The calibration that applies to `model` and where it came from. A file fitted on
-    another model is refused: its numbers are on another model's scale."""
+    another model is refused: its numbers are on another model's scale. A quantised variant
+    (NAME:q8_0) takes its base model's, unless given one fitted on the variant itself (its
+    scores shift a little: README, "Quantised models")."""
+    base = models.base_name(model)
     if calibration is not None:
-        if calibration.model != model:
+        if calibration.model not in (model, base):
             raise CalibrationError(
                 f"calibration was fitted on {calibration.model!r}, not on the model in use {model!r}: "
                 "run `sidecar tune` for this model"
             )
         return calibration, "calibration"
-    if (cal := builtin(model)) is not None:
+    if (cal := builtin(model) or builtin(base)) is not None:
         return cal, "builtin"
     return None, "uncalibrated"
 

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from . import __version__, config as config_mod, models
+from . import __version__, models
+from . import config as config_mod
 from .calibration import CalibrationError
 from .catalog import CatalogError
 from .config import ConfigError
@@ -25,9 +26,9 @@ USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedE
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
     p.add_argument("--catalog", metavar="FILE", action="append", help="MCP tools/list JSON file, or a dir of them; repeat to merge several (as server__tool)")
-    p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; see `sidecar model list`)")
+    p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; NAME:q8_0 for a quantised variant; see `sidecar model list`)")
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
-    p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")
+    p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
 
 
@@ -51,34 +52,36 @@ def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | Non
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from . import pipeline
+    from .engine import Sidecar
+    from .pipeline import Request
 
     text = " ".join(args.text) if args.text else sys.stdin.read()
     if not text.strip():
         raise ValueError("no text to judge: pass TEXT or pipe it on stdin")
-    pipe = pipeline.from_config(_config(args), progress=not args.json)
-    decision = pipe.detect(text, args.source)
+    engine = Sidecar.open(_config(args), progress=not args.json)
+    [judged] = engine.judge([Request(text, args.source)])
+    injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
-        out = msgspec.to_builtins(decision)
-        out.update(model=pipe.embedder.name, thresholds=msgspec.to_builtins(pipe.thresholds), thresholds_origin=pipe.thresholds_origin)
+        pipe = engine.pipeline
+        out = msgspec.to_builtins(judged.decision)
+        out.update(inject=[{"tool": r.tool, "score": r.score, "why": r.why} for r in injected], model=pipe.embedder.name,
+                   thresholds=msgspec.to_builtins(pipe.thresholds), thresholds_origin=pipe.thresholds_origin)  # fmt: skip
         _print_json(out)
     else:
-        print(describe(decision))
+        print(describe(judged.decision, [r.tool for r in injected]))
     return 0
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:
-    from . import pipeline
-    from .metrics import MetricsStore
-    from .recommend import Context, Recommender
+    from .engine import Sidecar
+    from .pipeline import Request
+    from .recommend import Context
 
     query = " ".join(args.query) if args.query else sys.stdin.read()
     if not query.strip():
         raise ValueError("no query: pass QUERY or pipe it on stdin")
-    cfg = _config(args)
-    pipe = pipeline.from_config(cfg, progress=not args.json)
-    metrics = MetricsStore(pipe.store, cfg.recommend.metrics_retention_days)
-    rec = Recommender(pipe, metrics, cfg.recommend).recommend(query, Context(agent=args.agent), args.top, args.mode)
+    engine = Sidecar.open(_config(args), progress=not args.json)
+    rec = engine.rank(Request(query), args.top, context=Context(agent=args.agent), mode=args.mode)
     if args.json:
         out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
         _print_json(out)
@@ -91,13 +94,37 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_learn(args: argparse.Namespace) -> int:
+    from .engine import Sidecar
+    from .recommend import learn
+
+    cfg = _config(args)
+    engine = Sidecar.open(cfg, progress=not args.json)
+    rows = engine.history.feedback()
+    samples = learn.samples_from_feedback(engine.recommender, rows)
+    if not samples:
+        raise ValueError(f"no feedback with a selected tool and other candidates in the store ({len(rows)} feedback rows): "
+                         "clients send `feedback` on injected tools")  # fmt: skip
+    result = learn.tune(samples, start=cfg.recommend.weights, heldout_fraction=args.heldout_fraction)
+    if args.json:
+        _print_json({"samples": len(samples), "feedback": len(rows), "result": result})
+        return 0
+    held = (f", held-out MRR {result.heldout_mrr_before:.3f} -> {result.heldout_mrr_after:.3f} ({result.heldout})"
+            if result.heldout_mrr_after is not None else "")  # fmt: skip
+    print(f"{len(samples)} of {len(rows)} feedback rows replayed: training MRR {result.train_mrr_before:.3f} -> {result.train_mrr_after:.3f}{held}")
+    print("[recommend.weights]  # put in the config to use them")
+    for name, value in msgspec.structs.asdict(result.weights).items():
+        print(f"{name} = {value:.3f}")
+    return 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from .metrics import MetricsStore
-    from .store import Store, default_path
+    from .store import open_store
 
     cfg = config_mod.load(args.config, overrides={("store",): args.store})
-    path = cfg.store or default_path()
-    store = Store(path)
+    path = cfg.store
+    store = open_store(cfg.store)
     listing = MetricsStore(store, cfg.recommend.metrics_retention_days).listing(
         server=args.server, tool=args.tool, failing=args.failing, threshold=cfg.recommend.failing_threshold)
     if args.json:
@@ -162,23 +189,24 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
             print(describe_savings(report))
         return 0
-    from .store import Store, default_path
+    from .store import open_store
 
     settings = config_mod.load(overrides={("model", "name"): args.model, ("store",): args.store})  # TOML from SIDECAR_CONFIG
-    store = Store(settings.store or default_path())
+    store = open_store(settings.store)
     http = (args.host, args.port) if args.http else None
     return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=lambda m: print(f"sidecar: {m}", file=sys.stderr, flush=True)))
 
 
-def describe(d: Decision) -> str:
-    """A short human answer: what fired (or why nothing did), the runners-up, the time."""
+def describe(d: Decision, injected: Sequence[str] = ()) -> str:
+    """A short human answer: what fired and what is injected (or why nothing is), the
+    runners-up, the time."""
     t = d.timing_ms
     timing = f"{t.total:.1f} ms (regex {t.regex:.2f}, embed {t.embed:.1f}, cosine {t.cosine:.2f})"
-    if d.path.startswith("negative:"):
+    if d.kind == "negative":
         head = f"silent: blocked by {d.path} ({d.trigger.text!r})" if d.trigger else f"silent: blocked by {d.path}"
         return f"{head}\n  {timing}"
     if d.fired:
-        head = f"{d.tier}: {d.tool}  score {d.score:.3f} >= {d.threshold:.2f} via {d.path}\n  matched {d.case!r}"
+        head = f"{d.tier}: {', '.join(injected) or d.tool}  score {d.score:.3f} >= {d.threshold:.2f} via {d.path}\n  matched {d.case!r}"
     elif d.tool:
         why = f"below {d.threshold:.2f}" if d.score is not None and d.score < (d.threshold or 0) else "below the confirm tier"
         head = f"silent: best {d.tool} scored {d.score:.3f}, {why} ({d.path})"
@@ -195,14 +223,12 @@ def _progress_bar(total: int, desc: str, enabled: bool = True):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from . import evaluate, pipeline
-    from .recommend.recommender import Recommender
+    from . import evaluate
+    from .engine import Sidecar
 
-    cfg = _config(args)
-    pipe = pipeline.from_config(cfg, progress=True)
-    items = evaluate.read_labeled(args.labeled, pipe.catalog)
-    recommender = Recommender(pipe, None, cfg.recommend)  # history-neutral: a labelled set has no call history
-    report = evaluate.evaluate(pipe, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"), recommender=recommender)
+    engine = Sidecar.open(_config(args), progress=True, history=False)  # a labelled set has no call history
+    items = evaluate.read_labeled(args.labeled, engine.catalog)
+    report = evaluate.evaluate(engine, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"))
     if args.json:
         _print_json(report)
     else:
@@ -224,7 +250,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         plot.require_matplotlib()
     cat = catalog_mod.load(cfg.catalogs)
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
-    store = store_mod.Store(cfg.store or store_mod.default_path())
+    store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
                       progress=lambda m: print(f"sidecar: {m}", file=sys.stderr))  # fmt: skip
     if args.out:
@@ -246,24 +272,28 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     import asyncio
 
+    from websockets.exceptions import WebSocketException
+
     from . import catalog as catalog_mod
-    from . import pipeline, replay
-    from .metrics import MetricsStore
-    from .recommend import Recommender
+    from . import replay
+    from .client import SidecarError
+    from .engine import Sidecar
 
     cfg = _config(args)
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
         conversations = replay.read_transcripts(args.transcripts, catalog_mod.load(cfg.catalogs) if cfg.catalogs else None)
     else:
-        pipe = pipeline.from_config(cfg, progress=not args.json)
-        conversations = replay.read_transcripts(args.transcripts, pipe.catalog)
+        engine = Sidecar.open(cfg, progress=not args.json)
+        conversations = replay.read_transcripts(args.transcripts, engine.catalog)
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
     with _progress_bar(total, "replaying") as bar:
         if args.url:
-            detections, summary = asyncio.run(replay.replay_url(args.url, conversations, token=cfg.server.token, on_message=lambda: bar.update(1)))
+            try:
+                detections, summary = asyncio.run(replay.replay_url(args.url, conversations, token=cfg.server.token, on_message=lambda: bar.update(1)))
+            except (SidecarError, WebSocketException) as e:  # the server refused, failed or went away: one line
+                raise ValueError(f"replay --url {args.url}: {e}") from None
         else:
-            rec = Recommender(pipe, MetricsStore(pipe.store, cfg.recommend.metrics_retention_days), cfg.recommend)
-            detections, summary = replay.replay(pipe, conversations, cfg.server, lambda: bar.update(1), rec)
+            detections, summary = replay.replay(engine, conversations, lambda: bar.update(1))
     if args.out:
         with open(args.out, "wb") as f:
             f.writelines(msgspec.json.encode(d) + b"\n" for d in detections)
@@ -280,46 +310,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from . import catalog as catalog_mod
     from . import server
-    from .store import Store, default_path
+    from .store import open_store
 
     cfg = _config(args, {("server", "host"): args.host, ("server", "port"): args.port})
     cat = catalog_mod.load(cfg.catalogs) if cfg.catalogs else catalog_mod.Catalog([])  # fail before binding
-    store = Store(cfg.store or default_path())
+    live = None
+    if args.mcp_config is not None:
+        from .mcp import config as mcp_config
+
+        live = mcp_config.load(args.mcp_config)
+    store = open_store(cfg.store)
     logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
 
     def announce(msg: str) -> None:
         print(f"sidecar: {msg}", file=sys.stderr, flush=True)
 
-    if not cfg.catalogs:
+    if not cfg.catalogs and live is None:
         announce("no catalog given: sessions bring their tools in hello.tools")
-    return asyncio.run(server.run(cfg, cat, store, announce))
+    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live))
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
     for name in names:
-        path = models.pull(name, dest=args.dir, progress=True, force=args.force)
+        path = models.pull(name, dest=args.dir, progress=True, force=args.force, quants=models.PULLED_QUANTS)
         print(f"{name}: {path}")
+        if ":" not in name:
+            for quant in models.PULLED_QUANTS:
+                print(f"{name}:{quant}: {path.parent / models.variant_filename(models.KNOWN_MODELS[name], quant)}")
     return 0
 
 
 def cmd_model_list(args: argparse.Namespace) -> int:
     present = {m.name: m for m in models.installed(args.dir)}
+
+    def row(spec: models.ModelSpec) -> dict:
+        m = present.pop(spec.name, None)
+        return {"name": spec.name, "quant": spec.quant, "installed": m is not None, "path": m.path if m else None,
+                "size": m.size if m else None, "default": spec.name == models.DEFAULT_MODEL}  # fmt: skip
+
     rows = []
     for name, spec in models.KNOWN_MODELS.items():
-        m = present.pop(name, None)
-        rows.append({"name": name, "installed": m is not None, "path": m.path if m else None, "size": m.size if m else None,
-                     "default": name == models.DEFAULT_MODEL, "license": spec.license, "source": spec.source})
+        variants = [row(v) for v in models.variants() if v.quant != "f16" and models.base_name(v.name) == name]
+        rows.append({**row(spec), "license": spec.license, "source": spec.source, "variants": variants})
     for m in present.values():
-        rows.append({"name": m.name, "installed": True, "path": m.path, "size": m.size, "default": False, "license": None, "source": "local file"})
+        rows.append({"name": m.name, "quant": None, "installed": True, "path": m.path, "size": m.size, "default": False, "license": None,
+                     "source": "local file", "variants": []})  # fmt: skip
     if args.json:
         _print_json({"dir": str(args.dir or models.models_dir()), "models": rows})
         return 0
     print(f"models in {args.dir or models.models_dir()}")
     for r in rows:
-        mark = "*" if r["default"] else " "
-        state = f"{r['size'] / 1e6:.0f} MB" if r["installed"] else f"not pulled (sidecar model pull {r['name']})"
-        print(f"{mark} {r['name']:<24} {state}")
+        for i, v in enumerate([r, *r["variants"]]):
+            mark = "*" if v["default"] else " "
+            state = f"{v['size'] / 1e6:.0f} MB" if v["installed"] else f"not pulled (sidecar model pull {v['name']})"
+            print(f"{mark} {'  ' if i else ''}{v['name']:<{30 if i else 32}} {state}")
     return 0
 
 
@@ -339,14 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
     p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
-    p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default hybrid)")
+    p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default: the config's recommend.mode, semantic)")
     p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "score", "why", "factors"}]}')
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 
+    p = sub.add_parser("learn", help="fit the recommender's weights to the feedback the server recorded on its injects")
+    _common(p)
+    p.add_argument("--heldout-fraction", type=float, default=0.3, metavar="F", help="share of feedback kept out of fitting, to report (default 0.3)")
+    p.add_argument("--json", action="store_true", help='print {"samples", "feedback", "result"}')
+    p.set_defaults(func=cmd_learn)
+
     p = sub.add_parser("metrics", help="per-tool call history the server recorded")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (env SIDECAR_CONFIG)")
-    p.add_argument("--store", metavar="PATH", help="SQLite store (default: XDG data dir; env SIDECAR_STORE)")
+    p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--tool", metavar="T", help="one tool (its name, or server__tool)")
     p.add_argument("--server", metavar="S", help="one server's tools")
     p.add_argument("--failing", action="store_true", help="only tools whose success rate is under recommend.failing_threshold (3+ calls)")
@@ -364,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcp-config", "--config", dest="mcp_config", metavar="FILE",
                    help="mcpServers JSON (here --config means this file; the TOML comes from SIDECAR_CONFIG)")
     p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model for find_tool (default {models.DEFAULT_MODEL})")
-    p.add_argument("--store", metavar="PATH", help="SQLite store: embeddings and the call metrics (default: XDG data dir; env SIDECAR_STORE)")
+    p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL: embeddings and the call metrics (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--http", action="store_true", help="serve streamable HTTP at /mcp instead of stdio")
     p.add_argument("--host", default="127.0.0.1", help="with --http: address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8766, help="with --http: port (default 8766, 0 for any free one)")
@@ -392,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="stream transcripts through the sidecar and score its injections")
     _common(p)
-    p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT", help='JSONL: {"conversation", "role", "content", "chunks"?, "tool_calls"?}')
+    p.add_argument("transcripts", nargs="+", metavar="TRANSCRIPT", help="OpenAI or Anthropic messages (JSON or JSONL), or our JSONL; detected per file")
     p.add_argument("--out", metavar="FILE", help="write every injection as JSONL")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--url", metavar="ws://HOST:PORT", help="replay through a running `sidecar serve` instead of in-process")
@@ -402,11 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--host", help="address to bind (default 127.0.0.1; env SIDECAR_HOST)")
     p.add_argument("--port", type=int, help="port (default 8765, 0 for any free one; env SIDECAR_PORT)")
+    p.add_argument("--mcp-config", metavar="FILE", help="mcpServers JSON (as `sidecar mcp` reads it): index the live servers' tools "
+                   "beside --catalog, follow their list changes, and withhold the tools of a server that is down")
     p.set_defaults(func=cmd_serve)
 
     model = sub.add_parser("model", help="provision embedding models").add_subparsers(dest="model_command", required=True)
-    p = model.add_parser("pull", help="fetch and verify a known model into the model dir")
-    p.add_argument("name", choices=[*models.KNOWN_MODELS, "all"])
+    p = model.add_parser("pull", help=f"fetch and verify a known model into the model dir, and quantise it ({', '.join(models.PULLED_QUANTS)})")
+    p.add_argument("name", choices=[*(s.name for s in models.variants()), "all"], metavar="NAME[:QUANT]|all",
+                   help=f"{', '.join(models.KNOWN_MODELS)}; NAME:QUANT ({', '.join(models.QUANTS)}) writes one variant")
     p.add_argument("--dir", help="model dir (default: XDG cache; env SIDECAR_MODELS_DIR)")
     p.add_argument("--force", action="store_true", help="fetch again even if present")
     p.set_defaults(func=cmd_model_pull)

@@ -49,7 +49,6 @@ class SidecarClient:
         origin: str | None = None,
         tools: Sequence[str | dict[str, Any]] | None = None,
         agent: str | None = None,
-        role: str | None = None,
         project: str | None = None,
         permissions: Sequence[str] | None = None,
         decisions: bool = False,
@@ -69,7 +68,7 @@ class SidecarClient:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
-        hello = p.Hello(session=session, agent=agent, role=role, project=project, version=p.VERSION, decisions=decisions,
+        hello = p.Hello(session=session, agent=agent, project=project, version=p.VERSION, decisions=decisions,
                         permissions=list(permissions) if permissions else None, tools=list(tools) if tools else None)  # fmt: skip
         await ws.send(p.encode(hello), text=True)
         msg = p.decode_server(await asyncio.wait_for(ws.recv(), max(1.0, deadline - time.monotonic())))

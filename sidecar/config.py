@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from . import models
 from .cases import Strategy
 from .recommend.scoring import IntentRules, Priors, Weights
 
@@ -22,11 +23,16 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
-    name: str = "nomic-embed-text-v1.5"  # a known model name or a path to a GGUF file
+    # A known model name, NAME:QUANT for a quantised variant (models.QUANTS: "q8_0",
+    # "q4_k_m"; "f16" is the plain name), or a path to a GGUF file.
+    name: str = models.DEFAULT_MODEL
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
     task_prefixes: Literal["auto", "on", "off"] = "auto"  # auto: the model's measured default
-    pull: bool = True  # provision a known model on first use
+    pull: bool = True  # provision a known model (or quantise its variant) on first use
+
+    def __post_init__(self) -> None:
+        models.check_name(self.name)  # a known model's unknown variant fails at load
 
 
 class GateConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,13 +45,22 @@ class GateConfig(msgspec.Struct, forbid_unknown_fields=True):
     patterns: str | None = None  # directory with lists.txt, negative.txt, high.txt
     regex_timeout_ms: float = 20.0
 
+    def __post_init__(self) -> None:
+        if not 0 < self.regex_timeout_ms <= 10_000:
+            raise ValueError(f"gate.regex_timeout_ms={self.regex_timeout_ms} must be within (0, 10000]: at 0 every negative pattern times out and blocks")
+
 
 class IndexConfig(msgspec.Struct, forbid_unknown_fields=True):
-    user_strategy: str | None = None  # unset: the model's calibrated one (else prefix+mcp)
-    llm_strategy: str | None = None  # unset: the model's calibrated one (else mcp+llm)
+    user_strategy: str | None = None  # unset: the model's calibrated one (else base)
+    llm_strategy: str | None = None  # unset: the model's calibrated one (else base)
     top_k: int = 5
+    # Query embeddings kept for texts seen before (LRU; 0: off): a repeated text is not
+    # embedded again. Memory: about dim x 4 bytes + the text per entry (docs/configuration.md).
+    query_cache: int = 2048
 
     def __post_init__(self) -> None:
+        if not 0 <= self.query_cache <= 1_000_000:
+            raise ValueError(f"index.query_cache={self.query_cache} must be within 0..1000000")
         for key in ("user_strategy", "llm_strategy"):
             if getattr(self, key) is not None:
                 Strategy.parse(getattr(self, key))  # raises with the list of modifiers
@@ -66,6 +81,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_streams: int = 64  # open streams per connection
     max_connections: int = 256
     span_words: int = 12  # judge a clause after this many words with no boundary
+    # A growing clause is judged again only when it gained content words (not for a trailing
+    # comma, space or stopword); true: every longer span is judged (the every-clause baseline).
+    rejudge_unchanged: bool = False
     max_pending: int = 4096  # queued evaluations; beyond it the oldest are dropped
     stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
     inject_margin: float = 0.05  # also inject runners-up within this score of the best
@@ -94,6 +112,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # held behind a big catalog.
     max_hello_tools: int = 128
     catalog_slice_tools: int = 8
+    session_catalogs: int = 16  # session catalogs (hello.tools) kept built, most recent first
     # Delivery (issue 13 C): at outbox_messages queued for a client the sidecar stops reading
     # its frames until it drains (flow control; the messages already produced still go out).
     # A client that takes no message for send_timeout_s while messages wait is closed with 1013.
@@ -102,8 +121,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     outbox_messages: int = 1024
     send_timeout_s: float = 10.0
     # Store contention (issue 13 J): a tool_result / feedback write waits at most this long for
-    # SQLite's write lock (held by another process on the same file), retrying in short slices
-    # without blocking the model thread's reads; past it the client gets `store_busy`.
+    # SQLite's write lock (held by another process on the same file) or PostgreSQL's row locks
+    # (another replica), retrying without blocking the model thread's reads; past it the
+    # client gets `store_busy`.
     store_busy_timeout_ms: float = 2000.0
 
     def __post_init__(self) -> None:
@@ -121,7 +141,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"server.inject_margin={self.inject_margin} must be within 0..1")
         if self.token is not None and not self.token.strip():
             raise ValueError("server.token is empty: unset it or give a secret")
-        for key in ("max_batch_spans", "max_batch_ms", "max_hello_tools", "catalog_slice_tools", "outbox_messages",
+        for key in ("max_batch_spans", "max_batch_ms", "max_hello_tools", "catalog_slice_tools", "session_catalogs", "outbox_messages",
                     "send_timeout_s", "store_busy_timeout_ms"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
@@ -140,6 +160,7 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
     semantic_share: float = 0.7  # hybrid relevance = share x semantic + (1 - share) x BM25
     candidates: int = 20  # per retriever: vector, BM25, inverted indexes
     cache_ttl_s: float = 60.0  # 0: no cache
+    cache_size: int = 1024  # rankings kept cached
     metrics_retention_days: int = 7  # raw call log; older calls live on as daily totals
     failing_threshold: float = 0.5  # success rate under which `metrics --failing` lists a tool
     max_fallbacks: int = 3
@@ -156,7 +177,7 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 1 <= self.top <= 100:
             raise ValueError(f"recommend.top={self.top} must be within 1..100")
-        for key in ("min_calls", "candidates", "metrics_retention_days", "max_fallbacks", "availability_min_calls",
+        for key in ("min_calls", "candidates", "metrics_retention_days", "max_fallbacks", "availability_min_calls", "cache_size",
                     "availability_min_reporters"):  # fmt: skip
             if getattr(self, key) < 1:
                 raise ValueError(f"recommend.{key}={getattr(self, key)} must be at least 1")
@@ -179,7 +200,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     recommend: RecommendConfig = msgspec.field(default_factory=RecommendConfig)
     catalogs: list[str] = []
-    store: str | None = None  # SQLite file (default: XDG data dir)
+    store: str | None = None  # SQLite file (default: XDG data dir) or postgresql://user@host/db (shared by replicas)
     calibration: str | None = None  # file written by `sidecar tune`
 
 
@@ -222,6 +243,10 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
     for keys, value in (overrides or {}).items():
         if value is not None:
             _set(tree, keys, value)
+    if not tree.get("store"):
+        from .store import default_path
+
+        tree["store"] = str(default_path(env.get("XDG_DATA_HOME")))
     try:
         return msgspec.convert(tree, Config)
     except (msgspec.ValidationError, ValueError) as e:

@@ -26,20 +26,8 @@ class Embedded(msgspec.Struct):
     truncated: list[bool]
 
 
-def trained_context(path: str) -> int:
-    """The context length the model was trained with, read from the GGUF header (memory-mapped,
-    so no weights are loaded)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-        arch = reader.get_field("general.architecture")
-        field = reader.get_field(f"{arch.contents()}.context_length") if arch else None
-    except Exception as e:  # a truncated or foreign file: gguf raises ValueError and friends
-        raise EmbedError(f"cannot load model {path}: not a readable GGUF file ({e})") from None
-    if field is None:
-        raise EmbedError(f"cannot load model {path}: the GGUF header has no context length")
-    return int(field.contents())
+MAX_CTX = 8192  # tokens: no text the sidecar judges or indexes is longer
+PROBE_CTX = 512  # a model of unknown context is first loaded at this, then at its own
 
 
 def default_threads() -> int:
@@ -62,29 +50,28 @@ class Embedder:
         threads: int | None = None,
         prefixes: tuple[str, str] | None = None,
         max_tokens: int | None = None,
+        flash_attn: bool = True,
     ):
-        from llama_cpp import Llama  # imported here: loading the library costs ~0.1 s
-
         if not os.path.isfile(path):
             raise EmbedError(f"model file not found: {path}")
-        threads = threads or default_threads()
-        trained = trained_context(path)
-        n_ctx = min(trained, max_tokens or trained, 8192)
         try:
-            # Non-causal embedding models need a whole sequence in one micro-batch, and
-            # n_ubatch below n_batch has been seen to abort llama.cpp: keep them equal.
-            self._llm = Llama(
-                model_path=path,
-                embedding=True,
-                n_ctx=n_ctx,
-                n_batch=n_ctx,
-                n_ubatch=n_ctx,
-                n_threads=threads,
-                n_threads_batch=threads,
-                verbose=False,
-            )
-        except Exception as e:
-            raise EmbedError(f"cannot load model {path}: {e}") from None
+            with open(path, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise EmbedError(f"cannot load model {path}: not a GGUF file")
+        except OSError as e:
+            raise EmbedError(f"cannot load model {path}: {e.strerror or e}") from None
+        threads = threads or default_threads()
+        # The trained context comes from the loaded model (reading it from the header with
+        # gguf's reader parsed the whole vocabulary first: 4-5 s a start). A known model's
+        # max_tokens is within it, so it loads once; another is probed at PROBE_CTX first.
+        n_ctx = min(max_tokens, MAX_CTX) if max_tokens else PROBE_CTX
+        self._llm = self._load(path, n_ctx, threads, flash_attn)
+        meta = self._llm.metadata  # the GGUF header's key-value pairs, as strings
+        trained = int(meta.get(f"{meta.get('general.architecture')}.context_length") or n_ctx)
+        if (want := min(trained, max_tokens or trained, MAX_CTX)) != n_ctx:
+            self._llm.close()
+            n_ctx = want
+            self._llm = self._load(path, n_ctx, threads, flash_attn)
         self.name = name
         self.path = path
         self.identity = identity  # content hash of the weights: keys the embedding cache
@@ -93,6 +80,31 @@ class Embedder:
         self.dim = int(self._llm.n_embd())
         self.threads = threads
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _load(path: str, n_ctx: int, threads: int, flash_attn: bool):
+        from llama_cpp import Llama  # imported here: loading the library costs ~0.1 s
+
+        try:
+            # Non-causal embedding models need a whole sequence in one micro-batch, and
+            # n_ubatch below n_batch has been seen to abort llama.cpp: keep them equal.
+            # Flash attention: llama.cpp packs a batch's texts into one micro-batch, and its
+            # plain attention spans every packed token (masked): a batch of 64 short texts
+            # cost 1.5x their price one by one, with flash attention 0.75x (MiniLM, CPU time,
+            # bench/embed_speed.py [--no-flash-attn]). Vectors agree to cosine 0.99999.
+            return Llama(
+                model_path=path,
+                embedding=True,
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                flash_attn=flash_attn,
+                verbose=False,
+            )
+        except Exception as e:
+            raise EmbedError(f"cannot load model {path}: {e}") from None
 
     def prefixed(self, text: str, kind: Kind) -> str:
         if not self.prefixes:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import math
 import pathlib
-import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
 
-from . import jsonl
+from . import jsonl, ranking
 from .catalog import Catalog
 from .gate import Decision
+
+if TYPE_CHECKING:
+    from .engine import Sidecar
 
 
 class LabeledError(ValueError):
@@ -78,7 +80,7 @@ class GateReport(msgspec.Struct):
 
 def gate_score(d: Decision) -> float:
     """One number per decision for threshold-free measures: a blocked text scores -1."""
-    if d.path.startswith("negative:") or d.score is None:
+    if d.kind == "negative" or d.score is None:
         return -1.0
     return d.score
 
@@ -141,28 +143,18 @@ class RankingReport(msgspec.Struct):
     n: int
 
 
-def first_hit(ranking: Sequence[str], expected: frozenset[str]) -> int | None:
-    """1-based rank of the first expected tool, or None."""
-    return next((r for r, tool in enumerate(ranking, 1) if tool in expected), None)
-
-
 def ranking_report(items: Sequence[Labeled], rankings: Sequence[Sequence[str]]) -> RankingReport:
     """Over positives only; rankings are tool names, best first."""
     rows = [(i, list(r)) for i, r in zip(items, rankings) if i.positive]
-    hits = [first_hit(r, i.expected) for i, r in rows]
-    ndcg = []
-    for (i, r), _ in zip(rows, hits):
-        gains = [1.0 / math.log2(k + 1) for k, tool in enumerate(r[:10], 1) if tool in i.expected]
-        ideal = sum(1.0 / math.log2(k + 1) for k in range(1, min(len(i.expected), 10) + 1))
-        ndcg.append(sum(gains) / ideal)
+    hits = [ranking.first_hit(r, i.expected) for i, r in rows]
     expected_tools = set().union(*(i.expected for i, _ in rows)) if rows else set()
     top_tools = {r[0] for i, r in rows if r and r[0] in i.expected}
     n = len(rows)
     return RankingReport(
-        top1=_rate(sum(h == 1 for h in hits), n),
-        top3=_rate(sum(h is not None and h <= 3 for h in hits), n),
-        mrr=_rate(sum(1.0 / h for h in hits if h), n),
-        ndcg_at_10=_rate(sum(ndcg), n),
+        top1=ranking.hit_rate(hits, 1),
+        top3=ranking.hit_rate(hits, 3),
+        mrr=ranking.mrr(hits),
+        ndcg_at_10=_rate(sum(ranking.ndcg(r, i.expected, 10) for i, r in rows), n),
         coverage=_rate(len(top_tools), len(expected_tools)),
         n=n,
     )
@@ -215,6 +207,29 @@ class Report(msgspec.Struct):
     ranking_ranker: RankingReport | None = None  # the fitted ranker alone, before history
     baselines: list[BaselineReport] = []  # computed in the same run, on the same items
     gate_baseline: GateBaseline | None = None  # one threshold on plain cosine, same items
+    by_source: dict[str, SourceReport] = {}  # the same figures for user turns and reply clauses apart
+
+
+class SourceReport(msgspec.Struct):
+    """The gate and the injected ranking over one source's items: user turns and reply
+    clauses fail differently, and one average hides which."""
+
+    gate: GateReport
+    ranking: RankingReport
+
+
+def by_source(items: Sequence[Labeled], decisions: Sequence[Decision], first: Sequence[str | None],
+              ranked: Sequence[Sequence[str]]) -> dict[str, SourceReport]:  # fmt: skip
+    """`ranked`: the positives' rankings, in item order."""
+    ranks = iter(ranked)
+    rows = [(i, d, f, next(ranks) if i.positive else []) for i, d, f in zip(items, decisions, first)]
+    out = {}
+    for source in ("user", "llm"):
+        mine = [r for r in rows if r[0].source == source]
+        if mine:
+            its, ds, fs, rs = zip(*mine)
+            out[source] = SourceReport(gate_report(its, ds, fs), ranking_report(its, rs))
+    return out
 
 
 class GateBaseline(msgspec.Struct):
@@ -252,28 +267,31 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     return out, gate
 
 
-def evaluate(pipe, items: Sequence[Labeled], k: int = 10, bar=None, recommender=None) -> Report:
+def evaluate(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Report:
     """Gate figures over every item; ranking figures over the positives: what the sidecar
-    injects first (the recommender, history-neutral unless it has a metrics store), the
-    ranker alone, and the baselines of `baselines`."""
+    injects first (the engine's recommender, history-neutral unless it has a metrics store),
+    the ranker alone, and the baselines of `baselines`."""
+    from .engine import Judgement
     from .pipeline import Request
-    from .recommend.filters import Context
 
+    pipe = engine.pipeline
     tick = bar.update if bar is not None else None
     decisions, vectors = judged(pipe, items, on_batch=tick)
     positives = [i for i in items if i.positive]
     ranker: list[list[str]] = []
-    for item, vector in zip(items, vectors):  # ranked on the vector the gate already made
-        if item.positive:
-            ranker.append([c.tool for c in pipe.rank_batch([Request(item.text, item.source)], k, vector)[0]])
-            if tick:
-                tick(1)
-    ranked = ranker
-    if recommender is not None:
-        ranked = [[r.tool for r in recommender.recommend(i.text, Context(source=i.source), top=k, query_vector=v).results]
-                  for i, v in zip(items, vectors) if i.positive]  # fmt: skip
-    tops = iter(r[0] if r else None for r in ranked)
-    first = [next(tops) if i.positive else d.tool for i, d in zip(items, decisions)]
+    ranked: list[list[str]] = []
+    first: list[str | None] = []
+    for item, d, vector in zip(items, decisions, vectors):  # ranked on the vector the gate already made
+        if not item.positive:
+            first.append(d.tool)
+            continue
+        request = Request(item.text, item.source)
+        ranker.append([c.tool for c in pipe.rank_batch([request], k, vector)[0]])
+        recommended = engine.rank(request, k, vector=vector)
+        ranked.append([r.tool for r in recommended.results])
+        first.append(Judgement(d, recommended).first)  # what would be injected first, had it fired
+        if tick:
+            tick(1)
     if bar is not None:
         bar.close()
     strategy = f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}"
@@ -286,11 +304,12 @@ def evaluate(pipe, items: Sequence[Labeled], k: int = 10, bar=None, recommender=
         thresholds_origin=pipe.thresholds_origin,
         gate=gate_report(items, decisions, first),
         ranking=ranking_report(positives, ranked),
-        ranking_by=f"recommender ({recommender.cfg.mode})" if recommender is not None else "ranker",
+        ranking_by=f"recommender ({engine.recommender.cfg.mode})",
         ranking_ranker=ranking_report(positives, ranker),
         latency_ms=percentiles([d.timing_ms.total for d in decisions]),
         baselines=base,
         gate_baseline=gate_base,
+        by_source=by_source(items, decisions, first, ranked),
     )
 
 
@@ -308,6 +327,9 @@ def describe(r: Report) -> str:
     if r.ranking_ranker is not None and r.ranking_by != "ranker":
         c = r.ranking_ranker
         lines.append(f"ranker   top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}")
+    for source, b in r.by_source.items():
+        lines.append(f"  {source:<5}  TP {b.gate.tp_rate:.1%}  FP {b.gate.fp_rate:.1%}  AUROC {b.gate.auroc:.3f}  "
+                     f"top1 {b.ranking.top1:.1%}  MRR {b.ranking.mrr:.3f}  ({b.gate.positives} need a tool, {b.gate.negatives} do not)")
     if r.gate_baseline is not None:
         lines.append(f"cosine   gate AUROC {r.gate_baseline.auroc:.3f}  best balanced {r.gate_baseline.best_balanced_accuracy:.1%}  (baseline: one threshold on plain cosine)")
     for b in r.baselines:

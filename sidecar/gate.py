@@ -8,13 +8,25 @@ into a decision.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from .patterns import GatePatterns, Match
 
 Tier = Literal["auto", "confirm"]
+PathKind = Literal["negative", "high", "fallback"]  # blocked by a pattern, lowered bar by one, neither
+PATH_KINDS: tuple[PathKind, ...] = ("negative", "high", "fallback")
+
+
+def path_kind(path: str) -> PathKind:
+    """The kind of a gate path as the wire spells it: "negative:ID", "high:ID" or "fallback"."""
+    kind = path.partition(":")[0]
+    if kind not in PATH_KINDS:
+        raise ValueError(f"not a gate path: {path!r}")
+    return kind  # type: ignore[return-value]
 
 
 def _check_cosine(name: str, v: float | None) -> None:
@@ -49,10 +61,10 @@ class Thresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.confirm > self.auto:
             raise ValueError(f"gate threshold confirm={self.confirm} is above auto={self.auto}")
 
-    def path_threshold(self, path: str, tool: str | None) -> float:
-        """What a match of `tool` on this gate path ("high:ID" or "fallback") must reach."""
+    def path_threshold(self, kind: PathKind, tool: str | None) -> float:
+        """What a match of `tool` on a path of this kind must reach."""
         own = self.tools.get(tool) if tool is not None else None
-        if path.startswith("high:"):
+        if kind == "high":
             return own.high if own is not None and own.high is not None else self.high
         return own.fallback if own is not None and own.fallback is not None else self.fallback
 
@@ -85,8 +97,12 @@ class Screen(msgspec.Struct, frozen=True):
     match: Match | None = None
 
     @property
+    def kind(self) -> PathKind:
+        return path_kind(self.path)
+
+    @property
     def blocked(self) -> bool:
-        return self.path.startswith("negative:")
+        return self.kind == "negative"
 
 
 class Decision(msgspec.Struct, omit_defaults=False):
@@ -103,6 +119,10 @@ class Decision(msgspec.Struct, omit_defaults=False):
     trigger: Trigger | None = None
     truncated: bool = False  # the text was longer than the model takes and was cut (explicitly)
 
+    @property
+    def kind(self) -> PathKind:
+        return path_kind(self.path)
+
 
 def screen(text: str, source: str, patterns: GatePatterns) -> Screen:
     neg = patterns.negative.first(text, source)
@@ -112,6 +132,17 @@ def screen(text: str, source: str, patterns: GatePatterns) -> Screen:
     if high:
         return Screen(f"high:{high.id}", high)
     return Screen("fallback")
+
+
+def fires(kinds: Sequence[PathKind], scores: np.ndarray, t: Thresholds, tools: Sequence[str | None] | None = None) -> np.ndarray:
+    """The gate's rule, over many texts at once: not blocked, at or above the threshold of its
+    path (the best tool's own, where it has one), and at or above the confirm tier. `judge`
+    decides by it one text at a time and `tune` searches thresholds with it."""
+    kinds = np.asarray(kinds)
+    scores = np.asarray(scores, float)
+    tools = tools if tools is not None else [None] * len(kinds)
+    need = np.array([t.path_threshold(k, tool) for k, tool in zip(kinds, tools)], float)
+    return (kinds != "negative") & (scores >= need) & (scores >= t.confirm)
 
 
 def tier_of(score: float, t: Thresholds) -> Tier | None:
@@ -131,11 +162,11 @@ def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: T
     if scr.blocked:
         return Decision(False, None, scr.path, None, None, None, None, candidates, timing, source, trigger)
     if not candidates:
-        return Decision(False, None, scr.path, None, None, None, t.path_threshold(scr.path, None), candidates, timing, source, trigger)
+        return Decision(False, None, scr.path, None, None, None, t.path_threshold(scr.kind, None), candidates, timing, source, trigger)
     best = candidates[0]
     score = best.score if confidence is None else round(float(confidence), 4)
-    threshold = t.path_threshold(scr.path, best.tool)
-    tier = tier_of(score, t) if score >= threshold else None
+    threshold = t.path_threshold(scr.kind, best.tool)
+    tier = tier_of(score, t) if fires([scr.kind], np.array([score]), t, [best.tool])[0] else None
     if trigger is None:
         trigger = Trigger(text, 0, len(text))
     return Decision(tier is not None, tier, scr.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger)

@@ -1,4 +1,5 @@
-"""Per-tool call history and recommendation feedback, kept in the sidecar's SQLite store.
+"""Per-tool call history and recommendation feedback, kept in the sidecar's store (SQLite, or
+PostgreSQL shared by several sidecars: the SQL here is written once, `store.py` says how).
 
 Three layers: `tool_metrics` holds lifetime totals per (server, tool), updated in the same
 transaction as each raw call row, so the recommender reads one small table; `tool_calls` is
@@ -7,8 +8,8 @@ this server failing right now); `tool_metrics_daily` is what the raw log becomes
 Windowed queries read raw and daily together, so a roll-up never changes an answer.
 
 `record_call` returns only after its transaction committed: the server may acknowledge a
-`tool_result` as soon as it returns, and a kill -9 afterwards loses nothing (WAL keeps
-committed transactions across a process crash).
+`tool_result` as soon as it returns, and a kill -9 afterwards loses nothing (SQLite's WAL, or
+PostgreSQL, keeps committed transactions across a process crash).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ CREATE TABLE IF NOT EXISTS metrics_state (
     key   TEXT PRIMARY KEY,                -- generation: bumped on every change; last_rollup
     value REAL NOT NULL
 );
-INSERT OR IGNORE INTO metrics_state VALUES ('generation', 0), ('last_rollup', 0);
+INSERT INTO metrics_state VALUES ('generation', 0), ('last_rollup', 0) ON CONFLICT DO NOTHING;
 """
 
 
@@ -207,8 +208,9 @@ TABLES = frozenset({"tool_metrics", "tool_calls", "tool_metrics_daily", "feedbac
 class MetricsStore:
     def __init__(self, store: Store, retention_days: int = 7, clock=time.time, caps: StringCaps | None = None,
                  write_timeout_s: float | None = None):  # fmt: skip
-        """`write_timeout_s`: how long a write waits for SQLite's write lock held by another
-        process (None: the store's default, 10 s) before it raises StoreBusy."""
+        """`write_timeout_s`: how long a write waits for a lock held by another process
+        (SQLite's write lock, PostgreSQL's row locks; None: the store's default, 10 s) before
+        it raises StoreBusy."""
         if retention_days < 1:
             raise ValueError(f"metrics_retention_days={retention_days} must be at least 1")
         self.store = store
@@ -221,11 +223,9 @@ class MetricsStore:
     def _ensure_schema(self) -> None:
         """Create the tables, only if they are missing: opening an existing store only reads
         (`sidecar metrics` must not take the write lock a running sidecar's acks need)."""
-        have = {r[0] for r in self.store.query("SELECT name FROM sqlite_master WHERE type='table'")}
-        if not TABLES <= have:
+        if not TABLES <= self.store.tables():
             self.store.ensure_schema(SCHEMA)
-        columns = {r[1] for r in self.store.query("PRAGMA table_info(tool_calls)")}
-        if "reporter" not in columns:  # a store from before the column
+        if "reporter" not in self.store.columns("tool_calls"):  # a store from before the column
             self.store.ensure_schema("ALTER TABLE tool_calls ADD COLUMN reporter TEXT")
 
     # --- writes: each one transaction, committed before returning -----------------------
@@ -258,35 +258,35 @@ class MetricsStore:
         reporter = cut(reporter, caps.name)
 
         def write(db) -> int:
-            if call_id is not None:
-                row = db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()
-                if row:
-                    return int(row[0])
-            cur = db.execute(
-                "INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter) VALUES (?,?,?,?,?,?,?,?,?)",
+            row = db.execute(
+                """INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter)
+                   VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (call_id) DO NOTHING RETURNING id""",
                 (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err, reporter),
-            )
+            ).fetchone()
+            if row is None:  # a resent call_id: the first row's id, nothing counted
+                return int(db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()[0])
+            row_id = row[0]
             db.execute(
-                """INSERT INTO tool_metrics (server, tool, call_count, success_count, failure_count, avg_latency_ms,
+                """INSERT INTO tool_metrics AS cur (server, tool, call_count, success_count, failure_count, avg_latency_ms,
                        latency_count, last_called_at, last_success_at, last_error, created_at, updated_at)
                    VALUES (?,?,1,?,?,?,?,?,?,?,?,?)
                    ON CONFLICT (server, tool) DO UPDATE SET
-                       call_count = call_count + 1,
-                       success_count = success_count + excluded.success_count,
-                       failure_count = failure_count + excluded.failure_count,
-                       avg_latency_ms = CASE WHEN excluded.latency_count = 0 THEN avg_latency_ms
-                           ELSE (coalesce(avg_latency_ms, 0) * latency_count + excluded.avg_latency_ms) / (latency_count + 1) END,
-                       latency_count = latency_count + excluded.latency_count,
-                       last_called_at = max(coalesce(last_called_at, excluded.last_called_at), excluded.last_called_at),
-                       last_success_at = CASE WHEN excluded.last_success_at IS NULL THEN last_success_at
-                           ELSE max(coalesce(last_success_at, excluded.last_success_at), excluded.last_success_at) END,
-                       last_error = coalesce(excluded.last_error, last_error),
+                       call_count = cur.call_count + 1,
+                       success_count = cur.success_count + excluded.success_count,
+                       failure_count = cur.failure_count + excluded.failure_count,
+                       avg_latency_ms = CASE WHEN excluded.latency_count = 0 THEN cur.avg_latency_ms
+                           ELSE (coalesce(cur.avg_latency_ms, 0) * cur.latency_count + excluded.avg_latency_ms) / (cur.latency_count + 1) END,
+                       latency_count = cur.latency_count + excluded.latency_count,
+                       last_called_at = greatest(coalesce(cur.last_called_at, excluded.last_called_at), excluded.last_called_at),
+                       last_success_at = CASE WHEN excluded.last_success_at IS NULL THEN cur.last_success_at
+                           ELSE greatest(coalesce(cur.last_success_at, excluded.last_success_at), excluded.last_success_at) END,
+                       last_error = coalesce(excluded.last_error, cur.last_error),
                        updated_at = excluded.updated_at""",
                 (server, tool, ok, 1 - ok, latency_ms, 0 if latency_ms is None else 1, ts, ts if success else None,
                  None if success else err, ts, ts),
             )
             db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
-            return int(cur.lastrowid)
+            return int(row_id)
 
         return self.store.write(write, self.write_timeout_s)
 
@@ -296,15 +296,15 @@ class MetricsStore:
         recommended = orjson.dumps([cut(name, caps.name) for name in fb.recommended]).decode()
 
         def write(db) -> int:
-            cur = db.execute(
-                "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?)",
+            row_id = db.execute(
+                "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
                 (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
                  None if fb.success is None else int(fb.success), fb.latency_ms, cut(fb.agent, caps.agent),
                  cut(fb.variant, caps.name)),
-            )
+            ).fetchone()[0]
             if fb.rating is not None:
                 db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
-            return int(cur.lastrowid)
+            return int(row_id)
 
         return self.store.write(write, self.write_timeout_s)
 
@@ -321,44 +321,53 @@ class MetricsStore:
 
     def rollup(self, now: float | None = None) -> RollupStats:
         """Fold raw calls older than the retention into per-day rows and delete them. Adds to
-        existing day rows, so a day rolled up in two runs sums correctly."""
+        existing day rows, so a day rolled up in two runs sums correctly. One transaction that
+        first takes the `last_rollup` row: a replica rolling up at the same moment waits for
+        it, then finds the rows gone (PostgreSQL reads anew at each statement); and only the
+        rows read are deleted, so a call arriving meanwhile is never dropped uncounted."""
         now = self.clock() if now is None else now
         cutoff = now - self.retention_days * DAY_S
-        rows = self.store.query(
-            """SELECT server, tool, coalesce(agent, ''), ts, success, latency_ms, error
-               FROM tool_calls WHERE ts < ? ORDER BY ts""",
-            (cutoff,),
-        )
-        groups: dict[tuple[str, str, str, str], list] = {}
-        for server, tool, agent, ts, success, lat, error in rows:
-            g = groups.setdefault((day_of(ts), server, tool, agent), [0, 0, 0, 0.0, 0, None, None, None])
-            g[0] += 1
-            g[1] += success
-            g[2] += 1 - success
-            if lat is not None:
-                g[3] += lat
-                g[4] += 1
-            g[5] = ts
-            if success:
-                g[6] = ts
-            elif error:
-                g[7] = error
         with self.store.transaction() as db:
+            db.execute("UPDATE metrics_state SET value = ? WHERE key='last_rollup'", (now,))
+            rows = db.execute(
+                """SELECT id, server, tool, coalesce(agent, ''), ts, success, latency_ms, error
+                   FROM tool_calls WHERE ts < ? ORDER BY ts""",
+                (cutoff,),
+            ).fetchall()
+            groups: dict[tuple[str, str, str, str], list] = {}
+            for _, server, tool, agent, ts, success, lat, error in rows:
+                g = groups.setdefault((day_of(ts), server, tool, agent), [0, 0, 0, 0.0, 0, None, None, None])
+                g[0] += 1
+                g[1] += success
+                g[2] += 1 - success
+                if lat is not None:
+                    g[3] += lat
+                    g[4] += 1
+                g[5] = ts
+                if success:
+                    g[6] = ts
+                elif error:
+                    g[7] = error
             db.executemany(
-                """INSERT INTO tool_metrics_daily VALUES (?,?,?,?,?,?,?,?,?,?,?,?)
+                """INSERT INTO tool_metrics_daily AS cur VALUES (?,?,?,?,?,?,?,?,?,?,?,?)
                    ON CONFLICT (day, server, tool, agent) DO UPDATE SET
-                       call_count = call_count + excluded.call_count,
-                       success_count = success_count + excluded.success_count,
-                       failure_count = failure_count + excluded.failure_count,
-                       latency_sum_ms = latency_sum_ms + excluded.latency_sum_ms,
-                       latency_count = latency_count + excluded.latency_count,
-                       last_called_at = max(coalesce(last_called_at, 0), excluded.last_called_at),
-                       last_success_at = coalesce(max(last_success_at, excluded.last_success_at), last_success_at, excluded.last_success_at),
-                       last_error = coalesce(excluded.last_error, last_error)""",
+                       call_count = cur.call_count + excluded.call_count,
+                       success_count = cur.success_count + excluded.success_count,
+                       failure_count = cur.failure_count + excluded.failure_count,
+                       latency_sum_ms = cur.latency_sum_ms + excluded.latency_sum_ms,
+                       latency_count = cur.latency_count + excluded.latency_count,
+                       last_called_at = greatest(coalesce(cur.last_called_at, 0), excluded.last_called_at),
+                       last_success_at = CASE WHEN cur.last_success_at IS NULL OR excluded.last_success_at IS NULL
+                           THEN coalesce(cur.last_success_at, excluded.last_success_at)
+                           ELSE greatest(cur.last_success_at, excluded.last_success_at) END,
+                       last_error = coalesce(excluded.last_error, cur.last_error)""",
                 [(*k, *v) for k, v in groups.items()],
             )
-            deleted = db.execute("DELETE FROM tool_calls WHERE ts < ?", (cutoff,)).rowcount
-            db.execute("UPDATE metrics_state SET value = ? WHERE key='last_rollup'", (now,))
+            ids = [r[0] for r in rows]
+            deleted = 0
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                deleted += db.execute(f"DELETE FROM tool_calls WHERE id IN ({','.join('?' * len(chunk))})", chunk).rowcount
         return RollupStats(rows=deleted, groups=len(groups), cutoff=cutoff)
 
     def rollup_if_due(self, now: float | None = None, every_s: float = DAY_S) -> RollupStats | None:
@@ -411,6 +420,7 @@ class MetricsStore:
         """One agent's calls and successes per (server, tool), from the raw log and the daily
         roll-ups together."""
         raw_where, raw_params, daily_where, daily_params = self._window(days)
+        agent = cut(agent, self.caps.agent)  # stored cut to the cap: looked up the same way
         out: dict[tuple[str, str], CallCount] = {}
         rows = self.store.query(
             f"""SELECT server, tool, sum(c), sum(s) FROM (
@@ -418,7 +428,7 @@ class MetricsStore:
                         WHERE agent=?{raw_where.replace('WHERE', 'AND')} GROUP BY server, tool
                     UNION ALL
                     SELECT server, tool, sum(call_count), sum(success_count) FROM tool_metrics_daily
-                        WHERE agent=?{daily_where.replace('WHERE', 'AND')} GROUP BY server, tool)
+                        WHERE agent=?{daily_where.replace('WHERE', 'AND')} GROUP BY server, tool) AS both_logs
                 GROUP BY server, tool""",
             (agent, *raw_params, agent, *daily_params),
         )
@@ -434,7 +444,7 @@ class MetricsStore:
         params: list = [since]
         if agent is not None:
             sql += " AND agent = ?"
-            params.append(agent)
+            params.append(cut(agent, self.caps.agent))
         rows = self.store.query(sql + " GROUP BY server, tool", params)
         return {(s, t): CallCount(int(c), int(k)) for s, t, c, k in rows}
 
@@ -444,7 +454,7 @@ class MetricsStore:
         reporter) failed too. What keeps one client from marking a server failing for all."""
         since = (self.clock() if now is None else now) - window_s
         rows = self.store.query(
-            """SELECT server, count(DISTINCT reporter), max(reporter IS NULL) FROM tool_calls
+            """SELECT server, count(DISTINCT reporter), max(CASE WHEN reporter IS NULL THEN 1 ELSE 0 END) FROM tool_calls
                WHERE ts >= ? AND success = 0 GROUP BY server""",
             (since,),
         )
@@ -487,7 +497,7 @@ class MetricsStore:
         and_match = where.replace(" WHERE", " AND")
         raw = self.store.query(
             f"""SELECT server, tool, count(*), sum(success), sum(coalesce(latency_ms, 0)), count(latency_ms), max(ts),
-                       max(CASE WHEN success THEN ts END),
+                       max(CASE WHEN success = 1 THEN ts END),
                        (SELECT error FROM tool_calls e WHERE e.server = c.server AND e.tool = c.tool AND e.error IS NOT NULL
                         ORDER BY e.ts DESC LIMIT 1)
                 FROM tool_calls c WHERE ts >= ?{and_match} GROUP BY server, tool""",

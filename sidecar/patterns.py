@@ -22,6 +22,7 @@ timed out blocks (fails closed), a high one counts as no match.
 
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import pathlib
 from collections import Counter
@@ -37,7 +38,7 @@ BUDGET_CHARS = 2048  # the time budget covers this many characters; a longer tex
 MAX_BUDGET_FACTOR = 50  # ... up to this many times (1 s at the default 20 ms, for 100k characters)
 
 SOURCES = ("user", "llm")
-PATTERNS_DIR = pathlib.Path(__file__).resolve().parent.parent / "patterns"
+BUILTIN = "sidecar.builtin_patterns"  # the project's patterns/ folder, installed as package data
 _ID = regex.compile(r"[A-Za-z][\w.-]*")
 _LIST = regex.compile(r"@(?P<name>[A-Za-z]\w*)\s+(?P<words>.+)")
 _FLAGS = regex.IGNORECASE | regex.VERSION1
@@ -173,9 +174,10 @@ class GatePatterns(msgspec.Struct, frozen=True):
     high: PatternSet
 
 
-def load_dir(directory: pathlib.Path | str = PATTERNS_DIR, timeout_s: float = 0.02) -> GatePatterns:
-    """Read lists.txt (word lists), then negative.txt and high.txt, from one directory."""
-    directory = pathlib.Path(directory)
+def load_dir(directory: pathlib.Path | str | None = None, timeout_s: float = 0.02) -> GatePatterns:
+    """Read lists.txt (word lists), then negative.txt and high.txt, from one directory (None:
+    the built-in ones, read as package data so a wheel has them too)."""
+    directory = pathlib.Path(directory) if directory is not None else importlib.resources.files(BUILTIN)
     lists: dict[str, list[str]] = {}
     sets: dict[str, list[Pattern]] = {}
     for name in ("lists", "negative", "high"):

@@ -1,7 +1,7 @@
 """The evaluations waiting for the embedding worker, with a predictable overload policy and
 fair, bounded batches.
 
-Evaluations are queued per connection (an evaluation's `session`). The worker takes a
+Evaluations are queued per connection (an evaluation's `owner`). The worker takes a
 bounded batch (`take(now, limit, budget)`: at most `limit` spans and about `budget` of
 estimated work), one span per connection in turn, so a connection that queued hundreds of
 spans gets one slot per round like everyone else. While the worker judges, new spans pile
@@ -27,7 +27,7 @@ REASONS = ("superseded", "overflow", "stale")
 
 
 def _group(ev: Any) -> Any:
-    return getattr(ev, "session", None)
+    return getattr(ev, "owner", None)
 
 
 def _stream(ev: Any) -> Any:
@@ -59,7 +59,7 @@ class Pending:
         return self._streams.get((group, stream_id), 0) > 0
 
     def put(self, ev: Any) -> None:
-        """Queue an evaluation (anything with `.key` and `.received`; `.session` and
+        """Queue an evaluation (anything with `.key` and `.received`; `.owner` and
         `.stream` group it when present)."""
         g = _group(ev)
         items = self._groups.get(g)

@@ -2,15 +2,19 @@
 -> gate head (the probability that the text needs a tool) -> gate decision.
 
 The CLI, the server and replay all call `Pipeline.detect_batch`; batching lets the
-server embed the spans of many streams in one llama.cpp call.
+server embed the spans of many streams in one llama.cpp call, and `QueryCache` keeps texts
+seen before from being embedded again.
 """
 
 from __future__ import annotations
 
+import copy
 import pathlib
+import threading
 import time
 from collections.abc import Sequence
 
+import cachetools
 import msgspec
 import numpy as np
 
@@ -21,13 +25,13 @@ from . import patterns as patterns_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
-from .embed import Embedder
+from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
 from .learned import GateHead, Ranker, gate_features, nearest, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
-from .store import Store, default_path
+from .store import Store, open_store
 
 SOURCES = ("user", "llm")
 
@@ -45,6 +49,50 @@ class Judged(msgspec.Struct):
     vectors: list[np.ndarray | None]
 
 
+class QueryCache:
+    """Query embeddings of texts seen before, least recently used first out, at most `size`
+    (0: off): a user turn sent again, a clause every stream repeats ("Sure, I can help with
+    that.") or a span judged again after a reconnect is not embedded twice. Keyed by the text
+    alone: a query's vector depends on neither its source nor the catalog, so the pipelines
+    `with_catalog` derives (same model) share one cache. Counts what it saved (/metrics)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lru: cachetools.LRUCache[str, tuple[np.ndarray, bool]] = cachetools.LRUCache(max(size, 1))
+        self._lock = threading.Lock()  # the model thread and tool searches on other threads
+        self._model: str | None = None  # the identity of the model the vectors came from
+        self.hits = 0  # texts answered from the cache (embeddings skipped)
+        self.misses = 0  # texts embedded
+
+    def __len__(self) -> int:
+        return len(self._lru) if self.size else 0
+
+    def embed(self, embedder: Embedder, texts: Sequence[str]) -> Embedded:
+        """`embedder.embed(texts, "query")`, embedding only texts neither cached nor repeated
+        earlier in `texts`; rows are copies, so a cached vector never pins a whole batch."""
+        if not self.size:
+            with self._lock:
+                self.misses += len(texts)
+            return embedder.embed(list(texts), "query")
+        distinct = list(dict.fromkeys(texts))
+        with self._lock:
+            if self._model != embedder.identity:  # another model's vectors mean nothing here
+                self._lru.clear()
+                self._model = embedder.identity
+            found = {t: hit for t in distinct if (hit := self._lru.get(t)) is not None}
+        todo = [t for t in distinct if t not in found]
+        if todo:
+            fresh = embedder.embed(todo, "query")
+            with self._lock:
+                for t, v, cut in zip(todo, fresh.vectors, fresh.truncated):
+                    found[t] = self._lru[t] = (v.copy(), cut)
+        with self._lock:
+            self.hits += len(texts) - len(todo)
+            self.misses += len(todo)
+        vectors = np.vstack([found[t][0] for t in texts]) if texts else np.zeros((0, embedder.dim), np.float32)
+        return Embedded(vectors.astype(np.float32, copy=False), [found[t][1] for t in texts])
+
+
 class Pipeline:
     def __init__(
         self,
@@ -58,8 +106,10 @@ class Pipeline:
         thresholds_origin: str = "builtin",
         ranker: Ranker | None = None,
         head: GateHead | None = None,
+        query_cache: int = 0,
     ):
         self.embedder = embedder
+        self.queries = QueryCache(query_cache)
         self.patterns = patterns
         self.thresholds = thresholds
         self.thresholds_origin = thresholds_origin
@@ -82,6 +132,14 @@ class Pipeline:
         self.lexical = LexicalIndex(catalog, "bm25")
         return built
 
+    def with_catalog(self, catalog: Catalog) -> Pipeline:
+        """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
+        and store shared): its indexes reuse this one's unchanged tools and the store's
+        embedding cache, so only new tool texts are embedded. This pipeline is untouched."""
+        clone = copy.copy(self)
+        clone.reindex(catalog)  # rebinds the clone's indexes and catalog
+        return clone
+
     def index_for(self, source: str) -> ToolIndex:
         return self.indexes[str(self.strategies[source])]
 
@@ -91,7 +149,7 @@ class Pipeline:
         if vector is not None and len(requests) == 1:
             vectors = np.asarray(vector, np.float32)[None, :]
         else:
-            vectors = self.embedder.embed([r.text for r in requests], "query").vectors
+            vectors = self.queries.embed(self.embedder, [r.text for r in requests]).vectors
         return [self._top(v.scores[0], v.index, q, k) for v, q in zip(self.views(requests, vectors), vectors)]
 
     def views(self, requests: Sequence[Request], vectors: np.ndarray) -> list[Views]:
@@ -138,7 +196,7 @@ class Pipeline:
             screens.append(screen(r.text, r.source, self.patterns))
         t_regex = time.perf_counter()
         todo = [i for i, s in enumerate(screens) if not s.blocked]
-        embedded = self.embedder.embed([requests[i].text for i in todo], "query")
+        embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
         t_embed = time.perf_counter()
         live = [requests[i] for i in todo]
         views = self.views(live, embedded.vectors)
@@ -188,7 +246,7 @@ class Pipeline:
             np.vstack([v.cases for v in views]),
             np.vstack([v.bm25 for v in views]),
             np.array([r.source == "llm" for r in requests], float),
-            np.array([s.path.startswith("high:") for s in screens], float),
+            np.array([s.kind == "high" for s in screens], float),
             vectors,
             nearest(vectors, tool_ex, exclude_self),
             nearest(vectors, none_ex, exclude_self),
@@ -241,10 +299,10 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     `calibration=False` (what `tune` fits from) no calibration applies: cosine thresholds, the
     default ranker, no gate head, plain derived cases."""
     cal_file = calib.read(cfg.calibration) if cfg.calibration and calibration else None
-    pats = patterns_mod.load_dir(cfg.gate.patterns or patterns_mod.PATTERNS_DIR, cfg.gate.regex_timeout_ms / 1000)
+    pats = patterns_mod.load_dir(cfg.gate.patterns, cfg.gate.regex_timeout_ms / 1000)
     cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
     if store is None:
-        store = Store(cfg.store or default_path())
+        store = open_store(cfg.store)
     embedder = open_embedder(cfg, store, progress, cal_file)
     if calibration:
         thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, cal_file)
@@ -256,4 +314,4 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
         "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
     ranker, head = (cal.ranker, cal.head) if cal is not None else (None, None)
-    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head)
+    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache)

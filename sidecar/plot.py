@@ -33,7 +33,7 @@ def gate_plot(fitted: Fitted, out: str | pathlib.Path) -> None:
     t = fitted.calibration.thresholds
     path, score, pos = np.asarray(s.path), np.asarray(s.score), np.asarray(s.positive)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
-    bins = np.linspace(min(-0.05, score[path != "blocked"].min(initial=0)), 1.0, 41)
+    bins = np.linspace(min(-0.05, score[path != "negative"].min(initial=0)), 1.0, 41)
     for ax, kind, cut, title in (
         (axes[0], "high", t.high, "after a high-confidence pattern (\"let me…\", \"please…\")"),
         (axes[1], "fallback", t.fallback, "no pattern: the fallback threshold"),
@@ -47,7 +47,7 @@ def gate_plot(fitted: Fitted, out: str | pathlib.Path) -> None:
         ax.set_xlabel("probability that the text needs a tool (out of fold)")
         ax.set_ylabel("texts")
         ax.legend(fontsize=8, loc="upper left")
-    live = path != "blocked"
+    live = path != "negative"
     sweep = np.linspace(bins[0], 1.0, 200)
     tp = [(live & pos & (score >= x)).sum() / max(pos.sum(), 1) for x in sweep]
     fp = [(live & ~pos & (score >= x)).sum() / max((~pos).sum(), 1) for x in sweep]
@@ -60,7 +60,7 @@ def gate_plot(fitted: Fitted, out: str | pathlib.Path) -> None:
     ax.set_xlabel("threshold")
     ax.set_ylabel("rate")
     ax.legend(fontsize=8)
-    blocked = (path == "blocked").sum()
+    blocked = (path == "negative").sum()
     fig.suptitle(
         f"{fitted.calibration.model}: gate head fitted on {len(s.path)} labelled texts ({blocked} blocked by negative patterns, not shown)",
         fontsize=11,

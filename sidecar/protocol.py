@@ -40,7 +40,6 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
 
     session: str
     agent: str | None = None
-    role: str | None = None
     permissions: list[str] | None = None
     project: str | None = None
     tools: list[str | dict[str, Any]] | None = None

@@ -11,70 +11,32 @@ turn is answered by the tool calls of the next assistant message.
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING
 
 import msgspec
 import regex
 
-from . import jsonl
-from .catalog import Catalog
 from .client import SidecarClient, SidecarError
 from .config import ServerConfig
 from .evaluate import percentiles
 from .protocol import DecisionReport, Ended, Error, Hello, Inject
-from .recommend.recommender import Recommender
-from .session import Session, judge
+from .session import Scope, Session, context_of, inject_for, judge
+from .transcripts import (  # noqa: F401  (replay's API)
+    Conversation,
+    Message,
+    ToolCall,
+    TranscriptError,
+    read_transcripts,
+)
+
+if TYPE_CHECKING:
+    from .engine import Sidecar
 
 # The GPT-2 pre-tokenizer: LLM tokens never cross these pieces' boundaries, so streaming them
 # one by one is a faithful (slightly coarse) stand-in for an LLM's token stream.
 _LLM_PIECES = regex.compile(r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-
-
-class TranscriptError(ValueError):
-    """A transcript is unusable; the message names file:line."""
-
-
-class ToolCall(msgspec.Struct, frozen=True):
-    name: str
-    arguments: dict[str, Any] = {}
-
-
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    conversation: str | int
-    role: Literal["user", "assistant", "tool"]
-    content: str = ""
-    chunks: list[str] | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class Conversation(msgspec.Struct):
-    id: str
-    messages: list[Message]
-    origin: str  # file, for reports
-
-
-_decoder = msgspec.json.Decoder(Message)
-
-
-def read_transcripts(paths: Sequence[str | pathlib.Path], catalog: Catalog | None = None) -> list[Conversation]:
-    """Conversations in file order; messages of one conversation may span files."""
-    convs: dict[str, Conversation] = {}
-    for path in paths:
-        for where, msg in jsonl.read(path, _decoder, TranscriptError):
-            if msg.chunks is not None and "".join(msg.chunks) != msg.content:
-                raise TranscriptError(f"{where}: chunks do not join to content")
-            if catalog is not None:
-                unknown = [c.name for c in msg.tool_calls or () if catalog.get(c.name) is None]
-                if unknown:
-                    raise TranscriptError(f"{where}: tool_calls name tools not in the catalog: {', '.join(unknown)}")
-            cid = str(msg.conversation)
-            convs.setdefault(cid, Conversation(cid, [], str(path))).messages.append(msg)
-    if not convs:
-        raise TranscriptError(f"{', '.join(map(str, paths))}: no messages")
-    return list(convs.values())
 
 
 def llm_tokens(text: str) -> list[str]:
@@ -129,16 +91,15 @@ def _truths(conv: Conversation) -> list[list[str]]:
 Hit = tuple[Inject, int]  # an inject and where in the message the span that caused it ended
 
 
-def replay(pipe: Any, conversations: Sequence[Conversation], limits: ServerConfig | None = None,
-           on_message: Callable[[], None] | None = None, recommender: Any = None) -> tuple[list[Detection], Summary]:  # fmt: skip
-    """Stream every conversation through a fresh `Session` on `pipe` (tools ranked by
-    `recommender`, by default one without history); score the injections."""
-    limits = limits or ServerConfig()
-    rec = recommender if recommender is not None else Recommender(pipe)
+def replay(engine: Sidecar, conversations: Sequence[Conversation], on_message: Callable[[], None] | None = None) -> tuple[list[Detection], Summary]:
+    """Stream every conversation through a fresh `Session` on `engine`, with the server
+    limits of its config; score the injections."""
+    limits = engine.cfg.server
     hits: list[list[list[Hit]]] = []
     for conv in conversations:
-        session = Session(limits, pipe.catalog, pipe, rec)
-        session.start(Hello(session=f"replay:{conv.id}"), pipe.catalog, pipe, rec)
+        session = Session(limits)
+        hello = Hello(session=f"replay:{conv.id}")
+        session.start(hello, Scope(engine.catalog, context_of(hello), engine))
         hits.append([_progress(_stream(session, limits, conv, i, msg), on_message) for i, msg in _replayed(conv)])
     return score(conversations, hits)
 
@@ -190,13 +151,15 @@ def _progress(hits: Iterable[Hit], on_message: Callable[[], None] | None) -> lis
 def _stream(session: Session, limits: ServerConfig, conv: Conversation, index: int, msg: Message) -> Iterator[Hit]:
     stream = f"{conv.id}:{index}"
     now = time.perf_counter()
+    if _silent(msg):
+        return
     if msg.role == "user":
         batches = [session.on_user(stream, msg.content, now)]
     else:
         batches = [session.on_token(stream, d, now) for d in _deltas(msg)] + [session.on_end(stream, now)]
     for evs in batches:
-        for v in judge(evs, limits.max_inject_tools)[0]:
-            inject = session.inject_for(v, limits.inject_margin)
+        for v in judge(evs)[0]:
+            inject = inject_for(v, limits.inject_margin)
             if inject is not None:
                 yield inject, v.ev.end
 
@@ -204,6 +167,8 @@ def _stream(session: Session, limits: ServerConfig, conv: Conversation, index: i
 async def _send(sc: SidecarClient, stream: str, msg: Message) -> list[Hit]:
     """Stream one message and collect its hits, reading while sending (a long message's
     decisions must not back up in the sidecar's outbox)."""
+    if _silent(msg):
+        return []
     reader = asyncio.create_task(_hits(sc, stream))
     if msg.role == "user":
         await sc.user(stream, msg.content)
@@ -230,6 +195,13 @@ async def _hits(sc: SidecarClient, stream: str) -> list[Hit]:
     if msg.stream != stream:
         raise SidecarError(f"expected the end of {stream!r}, got the end of {msg.stream!r}")
     return out
+
+
+def _silent(msg: Message) -> bool:
+    """Nothing to stream: a reply that only called tools (content null or "") or a user turn
+    without text. It is still scored (its tool calls are the truth for the turn before it),
+    but no stream is opened, so no `end` names a stream that never began."""
+    return not (_deltas(msg) if msg.role == "assistant" else msg.content.strip())
 
 
 def _next_reply(conv: Conversation, index: int) -> Message | None:

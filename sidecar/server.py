@@ -1,17 +1,19 @@
-"""The streaming websocket server: moves frames between clients and the one shared Pipeline.
+"""The streaming websocket server: moves frames between clients and the one shared engine
+(`Sidecar`).
 
 Concurrency, in one place:
 - the event loop reads every connection's frames, decodes them (protocol.py), updates the
   connection's Session (session.py) and queues spans in `Pending`; it never embeds;
 - one worker thread owns the model: a dispatcher task hands it one bounded batch at a time
   (`Pending.take`: round-robin over connections, at most `max_batch_spans` spans and about
-  `max_batch_ms` of estimated work), and it judges them (`session.judge`:
-  `Pipeline.judge_batch` once per catalog, so many streams share one llama.cpp call, then
-  the recommender for fired spans); while it works, new spans queue (and, under overload,
-  supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
+  `max_batch_ms` of estimated work), and it judges them (`session.judge`: `Sidecar.judge`
+  once per engine, so many streams share one llama.cpp call); while it works, new spans
+  queue (and, under overload, supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
   batch that held its last ones is delivered;
 - a `hello`'s new tools are embedded on the same thread in slices of `catalog_slice_tools`,
   queued between batches, so a big session catalog delays others by one slice, not all of it;
+- with live MCP servers (`mcp`), their connections live on the event loop and a tool-list
+  change reindexes the engine's pipeline in place, also on the model thread (mcp/live.py);
 - each connection has an outbox drained by its own writer task, which awaits each send (the
   socket's flow control): at `outbox_messages` queued the connection's frames are not read
   until it drains, and a client that takes nothing for `send_timeout_s` is closed with 1013,
@@ -22,96 +24,55 @@ Concurrency, in one place:
 - tool_result / feedback go to the MetricsStore on a store thread and are acknowledged
   after commit; a periodic task rolls the raw call log up once a day.
 
-HTTP shares the port through websockets' `process_request`: /healthz and /metrics.
+HTTP shares the port through websockets' `process_request` (web.py: /healthz, /metrics, the
+page at `/`, and the token / Origin / capacity checks every handshake passes first); /metrics
+is kept by telemetry.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
 import logging
 import secrets
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import parse_qs
 
-import msgspec
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 from . import __version__
-from . import prom as m
 from . import protocol as p
 from .catalog import Catalog
 from .config import Config
+from .engine import Sidecar
 from .gate import Decision
-from .metrics import Feedback, MetricsStore, StringCaps, key_of
-from .pending import REASONS, Pending
-from .recommend.recommender import Recommender
+from .mcp.config import McpConfig
+from .mcp.connections import ConnectionManager
+from .mcp.live import LiveCatalog, go_live
+from .pending import Pending
+from .records import Records
 from .session import (
     Evaluation,
+    Scope,
     Session,
     Verdict,
-    derive_pipeline,
+    context_of,
+    inject_for,
     judge,
     session_catalog,
 )
-from .store import Store, StoreBusy
+from .store import Store
+from .telemetry import Metrics
+from .web import Web
 
 log = logging.getLogger("sidecar.server")
 
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
-SESSION_PIPELINES = 16  # per-session catalogs kept built (LRU)
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
-LATENCY_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class Metrics:
-    """What /metrics shows; updated from the event loop thread only."""
-
-    def __init__(self, server: SidecarServer):
-        self.frames = m.Counter("sidecar_frames_total", "WebSocket frames, by direction and message type.", ("direction", "type"))
-        self.detections = m.Counter("sidecar_detections_total", "Judged spans by tier (none: silent) and gate path.", ("tier", "path"))
-        self.injections = m.Counter("sidecar_injections_total", "inject messages sent, by tier.", ("tier",))
-        self.latency = m.Histogram("sidecar_decision_latency_seconds", "From the frame completing a span to its decision.", LATENCY_BUCKETS)
-        self.batch = m.Histogram("sidecar_batch_size", "Evaluations judged per pipeline call.", (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.dropped = m.Counter("sidecar_dropped_evaluations_total", "Evaluations dropped under load, by reason.", ("reason",))
-        for r in REASONS:
-            self.dropped.inc(r, by=0)
-        self.errors = m.Counter("sidecar_errors_total", "error messages sent, by code.", ("code",))
-        self.events = m.Counter("sidecar_events_total", "tool_result / feedback records committed.", ("kind",))
-        self.queue = m.Gauge("sidecar_queue_depth", "Evaluations waiting for the model.", read=lambda: len(server.pending))
-        self.conns = m.Gauge("sidecar_connections", "Open websocket connections.", read=lambda: len(server.connections))
-        self.ready = m.Gauge("sidecar_ready", "1 once the model and index are loaded.", read=lambda: float(server.ready))
-        self.load = m.Gauge("sidecar_model_load_seconds", "Time to load the model and build the index.")
-        self.cpu = m.Gauge("process_cpu_seconds_total", "CPU time of the whole process (all threads).", read=time.process_time)
-        self.cpu.kind = "counter"  # read from the OS, but a counter to Prometheus
-        self.regex_timeouts = m.Counter("sidecar_regex_timeouts_total",
-                                        "Pattern searches cut off at their time budget, by pattern set (a negative one blocks).",
-                                        ("set",))  # fmt: skip
-        for name in ("negative", "high"):
-            self.regex_timeouts.inc(name, by=0)
-        self._server = server
-
-    def render(self) -> str:
-        self._read_regex_timeouts()
-        families = [self.frames, self.detections, self.injections, self.latency, self.batch, self.dropped, self.errors,
-                    self.events, self.queue, self.conns, self.ready, self.load, self.cpu, self.regex_timeouts]  # fmt: skip
-        return m.render(families)
-
-    def _read_regex_timeouts(self) -> None:
-        """Counted on the model thread by the pattern sets (shared by every session's pipeline)."""
-        pats = getattr(self._server.pipeline, "patterns", None)
-        for ps in (pats.negative, pats.high) if pats is not None else ():
-            self.regex_timeouts.values[(ps.name,)] = float(ps.timeouts)
 
 
 class Connection:
@@ -181,9 +142,9 @@ class Connection:
             return
         self.outbox.put_nowait(p.encode(msg))
         kind = type(msg).__struct_config__.tag
-        self.metrics.frames.inc("out", kind)
+        self.metrics.frames.labels("out", kind).inc()
         if isinstance(msg, p.Error):
-            self.metrics.errors.inc(msg.code)
+            self.metrics.errors.labels(msg.code).inc()
 
     def _too_slow(self, why: str) -> None:
         if self._closing is None:
@@ -231,17 +192,20 @@ class Connection:
 
 
 class SidecarServer:
-    def __init__(self, cfg: Config, *, pipeline: Any = None, catalog: Catalog | None = None, store: Store | None = None, progress: bool = False):
-        """Give `pipeline` to serve an already loaded one (tests, embedding); otherwise the
-        model loads in the background after the port is bound (/healthz says 503 until then)."""
+    def __init__(self, cfg: Config, *, engine: Sidecar | None = None, catalog: Catalog | None = None, store: Store | None = None,
+                 progress: bool = False, mcp: McpConfig | None = None):  # fmt: skip
+        """Give `engine` to serve an already loaded one (tests, embedding); otherwise the
+        model loads in the background after the port is bound (/healthz says 503 until then).
+        `mcp`: the live servers whose tools are indexed beside `catalog` (`--mcp-config`)."""
         self.cfg = cfg
+        self.mcp = mcp
+        self.live: LiveCatalog | None = None  # set once the live servers' tools are indexed
+        self._servers: ConnectionManager | None = None
         self.limits = cfg.server
-        self.pipeline = None
-        self.recommender: Recommender | None = None
-        self.history: MetricsStore | None = None  # tool calls and feedback, what the recommender learns from
-        self._given = pipeline
+        self.engine: Sidecar | None = None
+        self._given = engine
         self.catalog = catalog
-        self.store = store if store is not None else getattr(pipeline, "store", None)
+        self.store = store if store is not None else getattr(engine, "store", None)
         self.progress = progress
         self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000)
         self.metrics = Metrics(self)
@@ -249,14 +213,14 @@ class SidecarServer:
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
-        self._session_pipes: OrderedDict[tuple, tuple[Any, Recommender]] = OrderedDict()
+        self._session_engines: OrderedDict[tuple, Sidecar] = OrderedDict()
         self._building: dict[tuple, asyncio.Future] = {}  # session catalogs being embedded
         # `end`s waiting for their stream's spans, as a count per stream: repeated `end`s of
         # one stream cost one entry (and each counts against its connection's quota)
         self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
-        self._records: set[asyncio.Task] = set()
+        self.records = Records(self)  # tool_result / feedback commits in flight
         self._busy = False
         self._ws: Server | None = None
         self._wake: asyncio.Event | None = None
@@ -265,7 +229,7 @@ class SidecarServer:
 
     @property
     def ready(self) -> bool:
-        return self.pipeline is not None and not self.closing
+        return self.engine is not None and not self.closing
 
     @property
     def port(self) -> int:
@@ -282,45 +246,56 @@ class SidecarServer:
             self._handle,
             self.limits.host,
             self.limits.port,
-            process_request=self._http,
+            process_request=Web(self),
             max_size=self.limits.max_frame_bytes,
             compression=None,  # small frames at a high rate: deflate costs more than it saves
             server_header=f"sidecar/{__version__}",
         )
         self._tasks.append(asyncio.create_task(self._dispatch()))
-        if self._given is None:
+        if self._given is None or self.mcp is not None:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
             await self._attach(self._given)
             self.loaded.set()
 
     async def _load(self) -> None:
-        from . import pipeline as pipeline_mod
-
+        """Build the engine on the model thread (or take the given one) and, with `mcp`,
+        connect the live servers meanwhile and index their tools, also on the model thread."""
         t0 = time.perf_counter()
-        build = functools.partial(pipeline_mod.from_config, self.cfg, catalog=self.catalog, store=self.store, progress=self.progress)
+        def build() -> Sidecar:
+            if self._given is not None:
+                return self._given
+            catalog = self.catalog
+            if catalog is None and self.mcp is not None and not self.cfg.catalogs:
+                catalog = Catalog([])  # the live servers' tools alone
+            return Sidecar.open(self.cfg, catalog=catalog, store=self.store, progress=self.progress)
+
         try:
-            pipe = await asyncio.get_running_loop().run_in_executor(self._worker, build)
+            if self.mcp is None:
+                engine = await asyncio.get_running_loop().run_in_executor(self._worker, build)
+            else:
+                self._servers = ConnectionManager(self.mcp)
+                self._servers.start()  # preconnect_servers: reconnected in the background when lost
+                engine, self.live = await go_live(self._servers, build, self._worker)
         except Exception as e:  # reported by the caller of wait_loaded()
             self.load_error = e
         else:
-            self.metrics.load.set(time.perf_counter() - t0)
-            await self._attach(pipe)
+            self.metrics.loaded(time.perf_counter() - t0)
+            await self._attach(engine)
         self.loaded.set()
 
-    async def _attach(self, pipe: Any) -> None:
-        """Serve `pipe`: its recommender, and the metrics store behind it (rolled up now if
-        due, then checked hourly)."""
-        self.store = self.store or pipe.store
-        if self.store is not None:
-            lim = self.limits
-            caps = StringCaps(agent=lim.max_agent_chars, query=lim.max_query_chars, error=lim.max_error_chars, name=lim.max_name_chars)
-            self.history = MetricsStore(self.store, self.cfg.recommend.metrics_retention_days, caps=caps,
-                                        write_timeout_s=lim.store_busy_timeout_ms / 1000)  # fmt: skip
-            await asyncio.to_thread(self.history.rollup_if_due)
+    @property
+    def history(self):
+        """The call history the engine's recommender learns from (None: no store)."""
+        return self.engine.history if self.engine is not None else None
+
+    async def _attach(self, engine: Sidecar) -> None:
+        """Serve `engine`, its call history rolled up now if due, then checked hourly."""
+        self.store = self.store or engine.store
+        if engine.history is not None:
+            await asyncio.to_thread(engine.history.rollup_if_due)
             self._tasks.append(asyncio.create_task(self._rollups()))
-        self.recommender = Recommender(pipe, self.history, self.cfg.recommend)
-        self.pipeline = pipe  # last: a non-None pipeline means ready
+        self.engine = engine  # last: a non-None engine means ready
 
     async def _rollups(self) -> None:
         while True:
@@ -330,59 +305,13 @@ class SidecarServer:
             except Exception:
                 log.exception("rolling up the call log failed")
 
-    # HTTP side ------------------------------------------------------------------------
-
-    def _http(self, conn: ServerConnection, request: Request) -> Response | None:
-        path, _, query = request.path.partition("?")
-        if path == "/healthz":
-            if self.ready:
-                return conn.respond(200, "ok\n")
-            return conn.respond(503, "shutting down\n" if self.closing else "loading\n")
-        if path == "/metrics":
-            if not self._authorized(request.headers, query):
-                return self._unauthorized(conn)
-            resp = conn.respond(200, self.metrics.render())
-            del resp.headers["Content-Type"]
-            resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
-            return resp
-        origin = request.headers.get("Origin")
-        if self.limits.origins and origin is not None and origin not in self.limits.origins:
-            return conn.respond(403, f"origin {origin} is not allowed\n")
-        if not self._authorized(request.headers, query):
-            return self._unauthorized(conn)
-        if self.closing:
-            return conn.respond(503, "shutting down\n")
-        if self.pipeline is None:
-            resp = conn.respond(503, "loading the model; retry shortly\n")
-            resp.headers["Retry-After"] = "1"
-            return resp
-        if len(self.connections) >= self.limits.max_connections:
-            return conn.respond(503, f"at most {self.limits.max_connections} connections\n")
-        return None
-
-    def _authorized(self, headers: Headers, query: str) -> bool:
-        token = self.limits.token
-        if not token:
-            return True
-        auth = headers.get("Authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        if given is None:
-            given = (parse_qs(query).get("token") or [None])[0]
-        return given is not None and hmac.compare_digest(given.encode(), token.encode())
-
-    @staticmethod
-    def _unauthorized(conn: ServerConnection) -> Response:
-        resp = conn.respond(401, "a token is required: Authorization: Bearer TOKEN or ?token=TOKEN\n")
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="sidecar"'
-        return resp
-
     # Websocket side -------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
         if len(self.connections) >= self.limits.max_connections:
             await ws.close(1013, "too many connections")
             return
-        session = Session(self.limits, self.pipeline.catalog, self.pipeline, self.recommender)
+        session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
         try:
@@ -407,16 +336,16 @@ class SidecarServer:
         try:
             msg = p.decode_client(frame)
         except p.ProtocolError as e:
-            self.metrics.frames.inc("in", "invalid")
+            self.metrics.frames.labels("in", "invalid").inc()
             conn.send(p.Error(e.code, e.message, e.ref))
             return
         except Exception as e:  # decode_client raises only ProtocolError: a bug, reported as one
             log.exception("decoding a frame failed")
-            self.metrics.frames.inc("in", "invalid")
+            self.metrics.frames.labels("in", "invalid").inc()
             conn.send(p.Error("internal", f"decoding the frame failed: {type(e).__name__}"))
             return
         kind = type(msg).__struct_config__.tag
-        self.metrics.frames.inc("in", kind)
+        self.metrics.frames.labels("in", kind).inc()
         s = conn.session
         try:
             if isinstance(msg, p.Token):
@@ -432,7 +361,7 @@ class SidecarServer:
                 await self._hello(conn, msg)
             else:  # ToolResult | Feedback
                 s.require_hello(kind)
-                self._record(conn, msg)
+                self.records.take(conn, msg)
         except p.ProtocolError as e:
             conn.send(p.Error(e.code, e.message, e.ref if e.ref is not None else getattr(msg, "ref", None)))
         except Exception as e:
@@ -444,36 +373,36 @@ class SidecarServer:
             raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol version {p.VERSION}, not {msg.version}")
         if conn.session.hello is not None:
             raise p.ProtocolError("hello_again", "this connection already said hello")
-        base = self.pipeline
+        base = self.engine
         defined = sum(1 for t in msg.tools or () if not isinstance(t, str))
         if defined > self.limits.max_hello_tools:
             raise p.ProtocolError("too_many_tools", f"hello.tools defines {defined} tools; at most {self.limits.max_hello_tools} per hello")
-        catalog = session_catalog(base.catalog, msg.tools)
-        pipe, rec = (base, self.recommender) if catalog is base.catalog else await self._session_pipeline(base, catalog)
-        conn.session.start(msg, catalog, pipe, rec)
-        conn.send(p.Ready(version=p.VERSION, model=base.embedder.name, tools=catalog.names(), sidecar=__version__))
+        current = base.catalog  # read once: a live catalog's reindex replaces it on the model thread
+        catalog = session_catalog(current, msg.tools)
+        own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
+        engine = base if own is None else await self._session_engine(base, catalog)
+        conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
+        conn.send(p.Ready(version=p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
 
-    async def _session_pipeline(self, base: Any, catalog: Catalog) -> tuple[Any, Recommender]:
-        """A session catalog's pipeline and recommender, built on the model thread and
-        shared by sessions that send the same tools (also while it is being built)."""
+    async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
+        """A session catalog's engine, built on the model thread and shared by sessions that
+        send the same tools (also while it is being built)."""
         key = tuple((t.name, t.content_hash) for t in catalog)
-        built = self._session_pipes.get(key)
+        built = self._session_engines.get(key)
         if built is not None:
-            self._session_pipes.move_to_end(key)
+            self._session_engines.move_to_end(key)
             return built
         fut = self._building.get(key)
         if fut is None:
             fut = self._building[key] = asyncio.ensure_future(self._build_session(base, catalog))
             fut.add_done_callback(lambda _: self._building.pop(key, None))
-        pipe = await asyncio.shield(fut)
-        built = self._session_pipes.get(key)
-        if built is None:
-            built = self._session_pipes[key] = (pipe, Recommender(pipe, self.history, self.cfg.recommend))
-            while len(self._session_pipes) > SESSION_PIPELINES:
-                self._session_pipes.popitem(last=False)
+        engine = await asyncio.shield(fut)
+        built = self._session_engines.setdefault(key, engine)
+        while len(self._session_engines) > self.limits.session_catalogs:
+            self._session_engines.popitem(last=False)
         return built
 
-    async def _build_session(self, base: Any, catalog: Catalog) -> Any:
+    async def _build_session(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """Index a session catalog in slices: the tools the server's index already has first
         (nothing to embed), then `catalog_slice_tools` new ones per model-thread job. Each job
         queues behind the batch being judged and the next batch queues behind it, so other
@@ -485,57 +414,10 @@ class SidecarServer:
         fresh = [t for t in catalog if t.name not in names]
         step = self.limits.catalog_slice_tools
         steps = [Catalog(known + fresh[:i], catalog.sources) for i in range(0, len(fresh), step)] + [catalog]
-        pipe = base
+        engine = base
         for cat in steps:
-            pipe = await loop.run_in_executor(self._worker, derive_pipeline, pipe, cat)
-        return pipe
-
-    def _record(self, conn: Connection, msg: p.ToolResult | p.Feedback) -> None:
-        """Check the message now (an unknown tool is an error, nothing recorded), commit it on
-        a store thread, ack after the commit."""
-        s = conn.session
-        if s.catalog.get(msg.tool) is None:
-            raise p.ProtocolError("unknown_tool", f"no tool {msg.tool!r} in this session's catalog")
-        if self.history is None:
-            raise p.ProtocolError("store_failed", "this sidecar has no store")
-        if isinstance(msg, p.ToolResult):
-            write = functools.partial(self._store_call, conn, msg)
-        else:
-            write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref)
-        conn.records += 1
-        task = asyncio.create_task(self._commit(conn, type(msg).__struct_config__.tag, write, msg.ref))
-        self._records.add(task)
-        task.add_done_callback(self._records.discard)
-
-    async def _commit(self, conn: Connection, kind: str, write: Callable[[], p.Ack], ref: p.Ref | None) -> None:
-        try:
-            ack = await asyncio.to_thread(write)
-        except StoreBusy as e:  # another process held the write lock past the bound: the client may resend
-            log.warning("a %s was not recorded: %s", kind, e)
-            conn.send(p.Error("store_busy", f"{kind} not recorded: the store is locked by another process; "
-                                            "resend it (the same ref is counted once)", ref))  # fmt: skip
-            return
-        except Exception as e:
-            log.exception("recording a %s failed", kind)
-            conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
-            return
-        finally:
-            conn.recorded()
-        self.metrics.events.inc(kind)
-        conn.send(ack)
-
-    def _store_call(self, conn: Connection, msg: p.ToolResult) -> p.Ack:
-        """On a store thread: the call, committed; for a failed one, the stand-ins."""
-        s = conn.session
-        server, tool = key_of(s.catalog, msg.tool)
-        row = self.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent,
-                                       call_id=call_id(conn.id, msg.ref), reporter=conn.id)  # fmt: skip
-        if msg.ok or s.recommender is None:
-            return p.Ack(msg.ref, row)
-        return p.Ack(msg.ref, row, s.recommender.fallbacks(msg.tool, s.context) or None)
-
-    def _store_feedback(self, fb: Feedback, ref: p.Ref | None) -> p.Ack:
-        return p.Ack(ref, self.history.record_feedback(fb))
+            engine = await loop.run_in_executor(self._worker, engine.with_catalog, cat)
+        return engine
 
     # Evaluation -----------------------------------------------------------------------
 
@@ -564,9 +446,8 @@ class SidecarServer:
             self._wake.clear()
             budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
             batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
-            batch = [ev for ev in batch if not ev.session.closed]
+            batch = [ev for ev in batch if not ev.owner.closed]
             self._release_backlogs()
-            self._count_drops()
             if batch:
                 await self._judge(loop, batch)
             self._answer_ends()
@@ -596,7 +477,7 @@ class SidecarServer:
     async def _judge(self, loop: asyncio.AbstractEventLoop, batch: list[Evaluation]) -> None:
         self._busy = True
         try:
-            verdicts, sizes, took = await loop.run_in_executor(self._worker, timed_judge, batch, self.limits.max_inject_tools)
+            verdicts, sizes, took = await loop.run_in_executor(self._worker, timed_judge, batch)
         except Exception:
             log.exception("judging a batch of %d failed", len(batch))
             verdicts, sizes = [], []
@@ -614,15 +495,15 @@ class SidecarServer:
     def _deliver(self, v: Verdict) -> None:
         ev, d = v.ev, v.decision
         self.metrics.latency.observe(time.perf_counter() - ev.received)
-        self.metrics.detections.inc(d.tier if d.fired and d.tier else "none", d.path)
-        conn = self.connections.get(ev.session)
+        self.metrics.detections.labels(d.tier if d.fired and d.tier else "none", d.path).inc()
+        conn = self.connections.get(ev.owner)
         if conn is None:
             return
-        inject = ev.session.inject_for(v, self.limits.inject_margin)
+        inject = inject_for(v, self.limits.inject_margin)
         if inject is not None:
-            self.metrics.injections.inc(inject.tier)
+            self.metrics.injections.labels(inject.tier).inc()
             conn.send(inject)
-        if ev.session.hello is not None and ev.session.hello.decisions:
+        if ev.owner.hello is not None and ev.owner.hello.decisions:
             conn.send(report(ev, d))
 
     def _release_backlogs(self) -> None:
@@ -633,11 +514,14 @@ class SidecarServer:
             if conn.backlog == 0:
                 self._backlogged.discard(conn)
 
-    def _count_drops(self) -> None:
-        for reason, n in self.pending.dropped.items():
-            self.metrics.dropped.values[(reason,)] = float(n)
-
     # Lifecycle ------------------------------------------------------------------------
+
+    async def _close_live(self) -> None:
+        """Stop following the live servers and close them (stdio servers are stopped)."""
+        if self.live is not None:
+            self.live.close()
+        if self._servers is not None:
+            await self._servers.aclose()
 
     async def shutdown(self) -> None:
         """Stop accepting, finish queued evaluations and store writes, deliver what they
@@ -647,7 +531,7 @@ class SidecarServer:
         self.closing = True
         deadline = time.monotonic() + self.limits.shutdown_timeout_s
         self._ws.server.close()  # stop listening; handshakes in flight get 503
-        while (len(self.pending) or self._busy or self._records or self._ending) and time.monotonic() < deadline:
+        while (len(self.pending) or self._busy or self.records.pending or self._ending) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for c in self.connections.values():
             c.unthrottle()
@@ -660,6 +544,7 @@ class SidecarServer:
             t.cancel()
         for c in list(self.connections.values()):
             c.stop()
+        await self._close_live()
         self._worker.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             try:
@@ -668,30 +553,11 @@ class SidecarServer:
                 log.exception("store checkpoint failed")
 
 
-def timed_judge(batch: list[Evaluation], top: int) -> tuple[list[Verdict], list[int], float]:
+def timed_judge(batch: list[Evaluation]) -> tuple[list[Verdict], list[int], float]:
     """`judge` on the model thread, with the seconds it took there (not counting the wait)."""
     t0 = time.perf_counter()
-    verdicts, sizes = judge(batch, top)
+    verdicts, sizes = judge(batch)
     return verdicts, sizes, time.perf_counter() - t0
-
-
-def call_id(connection: str, ref: p.Ref | None) -> str | None:
-    """A tool_result's id for the call log, from its `ref` within the connection: a result
-    resent with the same ref is counted once (the ref's JSON keeps 7 and "7" apart). Scoped by
-    the server's connection id, not the client-chosen hello.session, so no other client can
-    claim (or pre-empt) this one's refs."""
-    return None if ref is None else f"{connection}\x1f{msgspec.json.encode(ref).decode()}"
-
-
-def feedback_of(s: Session, msg: p.Feedback) -> Feedback:
-    """The feedback row: the tool it rates stands for what was recommended; `selected` says
-    whether it was used. A rating outside 0..5 is the client's error."""
-    variant = s.recommender.weights_for(s.hello.agent)[0] if s.recommender is not None else None
-    try:
-        return Feedback(query=msg.query or "", recommended=[msg.tool], selected=msg.tool if msg.selected else None,
-                        rating=msg.rating, agent=s.hello.agent, variant=variant)  # fmt: skip
-    except ValueError as e:
-        raise p.ProtocolError("invalid_field", f"feedback: {e}", msg.ref) from None
 
 
 def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
@@ -701,10 +567,10 @@ def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
                             fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, score=d.score, latency_ms=round(latency, 2))  # fmt: skip
 
 
-async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print) -> int:
+async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None) -> int:
     """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
     Returns the exit status (2 when the model or index cannot be loaded)."""
-    server = SidecarServer(cfg, catalog=catalog, store=store, progress=True)
+    server = SidecarServer(cfg, catalog=catalog, store=store, progress=True, mcp=mcp)
     await server.start()  # binds (so /healthz can say 503 while loading), then loads
     announce(f"loading {cfg.model.name}")
     loop = asyncio.get_running_loop()
@@ -718,10 +584,14 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
     if server.load_error is not None:
         announce(f"error: {server.load_error}")
         status = 2
-    elif server.pipeline is not None:  # only now, with everything loaded, does it say where it listens
-        pipe = server.pipeline
-        announce(f"listening on {server.url} (model {pipe.embedder.name}, {len(pipe.catalog)} tools, "
-                 f"loaded in {server.metrics.load.get():.1f} s)")  # fmt: skip
+    elif server.engine is not None:  # only now, with everything loaded, does it say where it listens
+        pipe = server.engine.pipeline
+        live = ""
+        if server.live is not None:
+            up = sum(st.state == "connected" for st in server.live.manager.status())
+            live = f", {up} of {len(mcp.servers)} MCP server(s) connected"
+        announce(f"listening on {server.url} (model {pipe.embedder.name}, {len(pipe.catalog)} tools{live}, "
+                 f"loaded in {server.metrics.load_seconds:.1f} s)")  # fmt: skip
         await stopping
     announce("shutting down")
     await server.shutdown()

@@ -1,18 +1,18 @@
-"""One connection's state, without I/O: its session catalog, its streams, and what was
-already injected into each, so the server only moves frames and the rules live here.
+"""One connection's state, without I/O: its scope, its streams, and what was already
+injected into each, so the server only moves frames and the rules live here.
 
-Rules: `hello` comes first (ping aside); `user` is judged whole; `token` feeds the stream's
+Rules: `hello` comes first (ping aside) and fixes the connection's `Scope` (its catalog,
+who asks, the engine that judges); `user` is judged whole; `token` feeds the stream's
 segmenter, whose spans are judged as LLM output; `end` flushes and closes the stream
-(later tokens on it are an error). When the gate fires, the session's recommender picks the
-tools (`judge`); a tool is injected at most once per stream id.
+(later tokens on it are an error). Every span carries its scope to `judge`, which hands it
+to the engine (`Sidecar.judge`); a tool is injected at most once per stream id.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +27,42 @@ from .recommend.filters import Context, Permissions
 from .stream import Segmenter, Span
 
 if TYPE_CHECKING:
-    import numpy as np
+    from .engine import Judgement, Sidecar
 
-    from .recommend.recommender import Recommendations
+
+@dataclass(frozen=True, eq=False)
+class Scope:
+    """What a hello fixes for the rest of its connection: the catalog injected tools come
+    from, who asks (the recommender's context), and the engine that judges its spans.
+
+    `own` is None when the hello named no tools: the scope then follows the engine's catalog
+    as a live catalog reindexes it in place, so a session started before a re-index gets the
+    new tools. `down` names the servers that are down now (a live catalog's): their tools are
+    dropped from an inject (`inject_for`) and left out of stand-ins (`context`)."""
+
+    own: Catalog | None
+    asked: Context  # the hello's: what spans are ranked in
+    engine: Sidecar
+    down: Callable[[], Collection[str]] | None = None
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.own if self.own is not None else self.engine.catalog
+
+    def withheld(self) -> frozenset[str]:
+        """The servers whose tools must not be handed out now."""
+        return frozenset(self.down()) if self.down is not None else frozenset()
+
+    @property
+    def context(self) -> Context:
+        """Who asks, with the servers down now: what stand-ins for a failed tool are picked in."""
+        down = self.withheld()
+        if not down:
+            return self.asked
+        return msgspec.structs.replace(self.asked, unavailable_servers=sorted({*self.asked.unavailable_servers, *down}))
+
+
+OFFERS_KEPT = 256  # injected tools a session remembers the ranking of, for feedback
 
 
 @dataclass(eq=False)
@@ -42,9 +75,11 @@ class StreamState:
 
 @dataclass(eq=False)
 class Evaluation:
-    """A span waiting for the pipeline. `key` identifies what a newer span supersedes."""
+    """A span waiting for the engine. `key` identifies what a newer span supersedes; `owner`
+    is the session whose connection gets the verdict."""
 
-    session: Session
+    owner: Session
+    scope: Scope
     stream: StreamState
     text: str
     start: int
@@ -56,26 +91,31 @@ class Evaluation:
 
 
 class Session:
-    def __init__(self, limits: ServerConfig, catalog: Catalog, pipeline: Any = None, recommender: Any = None):
+    def __init__(self, limits: ServerConfig, count_unchanged: Callable[[int], None] | None = None):
+        """`count_unchanged(n)`: told of spans a stream's segmenter did not emit again (their
+        clause gained no content word; /metrics counts them)."""
         self.limits = limits
+        self.count_unchanged = count_unchanged
         self.hello: Hello | None = None
-        self.catalog = catalog  # the session's (server's, narrowed or extended by hello.tools)
-        self.pipeline = pipeline  # the Pipeline that judges this session's spans
-        self.recommender = recommender  # the Recommender over that pipeline: picks the tools to inject
-        self.context = Context()  # who asks and what it may be offered, from the hello
+        self.scope: Scope | None = None  # set by the hello
         self.closed = False
+        # per injected tool, the ranking it was offered in and the span that caused it: what a
+        # later `feedback` on that tool is recorded against (so `sidecar learn` has candidates)
+        self.offered: OrderedDict[str, tuple[list[str], str]] = OrderedDict()
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
         self._open = 0
 
-    @property
-    def open_streams(self) -> int:
-        return self._open
-
-    def start(self, hello: Hello, catalog: Catalog, pipeline: Any, recommender: Any = None) -> None:
+    def start(self, hello: Hello, scope: Scope) -> None:
         if self.hello is not None:
             raise ProtocolError("hello_again", "this connection already said hello")
-        self.hello, self.catalog, self.pipeline, self.recommender = hello, catalog, pipeline, recommender
-        self.context = context_of(hello)
+        self.hello, self.scope = hello, scope
+
+    def remember_offer(self, injected: Sequence[str], ranking: list[str], text: str) -> None:
+        for tool in injected:
+            self.offered[tool] = (ranking, text)
+            self.offered.move_to_end(tool)
+        while len(self.offered) > OFFERS_KEPT:
+            self.offered.popitem(last=False)
 
     def require_hello(self, kind: str) -> None:
         if self.hello is None:
@@ -88,7 +128,7 @@ class Session:
         if not stripped:
             return []
         start = len(text) - len(text.lstrip())
-        return [Evaluation(self, state, stripped, start, start + len(stripped), "user", received, object())]
+        return [Evaluation(self, self.scope, state, stripped, start, start + len(stripped), "user", received, object())]
 
     def on_token(self, stream: str, delta: str, received: float) -> list[Evaluation]:
         self.require_hello("token")
@@ -98,9 +138,10 @@ class Session:
         if state.segmenter is None:
             if self._open >= self.limits.max_streams:
                 raise ProtocolError("too_many_streams", f"at most {self.limits.max_streams} open streams per connection; end one first")
-            state.segmenter = Segmenter(self.limits.span_words, self.limits.max_stream_chars)
+            state.segmenter = Segmenter(self.limits.span_words, self.limits.max_stream_chars,
+                                        rejudge_unchanged=self.limits.rejudge_unchanged)  # fmt: skip
             self._open += 1
-        return self._evaluations(state, state.segmenter.feed(delta), received)
+        return self._evaluations(state, self._spans(state.segmenter, state.segmenter.feed, delta), received)
 
     def on_end(self, stream: str, received: float) -> list[Evaluation]:
         self.require_hello("end")
@@ -109,16 +150,24 @@ class Session:
             raise ProtocolError("unknown_stream", f"no stream {stream!r} on this connection")
         if state.ended:
             return []
-        spans = state.segmenter.end() if state.segmenter else []
+        spans = self._spans(state.segmenter, state.segmenter.end) if state.segmenter else []
         if state.segmenter is not None:
             self._open -= 1
         state.segmenter, state.ended = None, True
         return self._evaluations(state, spans, received)
 
+    def _spans(self, seg: Segmenter, step: Callable[..., list[Span]], *args: str) -> list[Span]:
+        """`seg.feed(delta)` or `seg.end()`, reporting the spans it held back as unchanged."""
+        before = seg.unchanged
+        spans = step(*args)
+        if seg.unchanged != before and self.count_unchanged is not None:
+            self.count_unchanged(seg.unchanged - before)
+        return spans
+
     def _evaluations(self, state: StreamState, spans: Sequence[Span], received: float) -> list[Evaluation]:
         # Keyed by (stream, clause start): a clause judged again as it grows supersedes its
         # pending shorter self, but a finished clause is never lost to the next one.
-        return [Evaluation(self, state, s.text, s.start, s.end, "llm", received, (state, s.start), s.reason) for s in spans]
+        return [Evaluation(self, self.scope, state, s.text, s.start, s.end, "llm", received, (state, s.start), s.reason) for s in spans]
 
     def _state(self, stream: str) -> StreamState:
         state = self._streams.get(stream)
@@ -137,59 +186,55 @@ class Session:
         for sid in [s for s, st in self._streams.items() if st.segmenter is None][: len(self._streams) - keep]:
             del self._streams[sid]
 
-    def rank(self, ev: Evaluation, d: Decision, vector: np.ndarray | None, top: int) -> Recommendations | None:
-        """The recommender's tools for a span the gate fired on (None when it did not).
-        On the model thread: without `vector` the recommender embeds the span."""
-        if not d.fired or self.recommender is None:
-            return None
-        context = msgspec.structs.replace(self.context, source=ev.source)
-        return self.recommender.recommend(ev.text, context, top=top, query_vector=vector)
-
-    def inject_for(self, v: Verdict, margin: float) -> Inject | None:
-        """The inject a fired decision calls for: the recommender's best tool and runners-up
-        within `margin` of its score, minus tools this stream already got. The tier and the
-        trigger are the gate's."""
-        ev, d, ranked = v.ev, v.decision, v.ranked
-        if not d.fired or d.tier is None or ranked is None or not ranked.results or self.closed:
-            return None
-        bar = ranked.results[0].score - margin
-        tools: list[InjectedTool] = []
-        for r in ranked.results:
-            tool = self.catalog.get(r.tool)
-            if r.score >= bar and tool is not None and r.tool not in ev.stream.injected:
-                tools.append(InjectedTool(tool.definition(), r.score, r.why))
-        if not tools:
-            return None
-        ev.stream.injected.update(t.definition["name"] for t in tools)
-        trig = d.trigger
-        lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
-        trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
-        latency = (time.perf_counter() - ev.received) * 1000
-        return Inject(stream=ev.stream.id, tier=d.tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
-
 
 @dataclass(eq=False)
 class Verdict:
-    """A judged evaluation: the gate's decision and, when it fired, the recommender's ranking."""
+    """A judged evaluation: the engine's judgement of its span."""
 
     ev: Evaluation
-    decision: Decision
-    ranked: Recommendations | None = None
+    judgement: Judgement
+
+    @property
+    def decision(self) -> Decision:
+        return self.judgement.decision
 
 
-def judge(evaluations: Sequence[Evaluation], top: int) -> tuple[list[Verdict], list[int]]:
-    """On the model thread (it embeds): one `judge_batch` per distinct pipeline, then each
-    fired span ranked by its session's recommender on the span's own vector. The server and
-    replay both judge through here, so they inject alike. Also returns the batch sizes."""
-    groups: dict[int, tuple[Any, list[Evaluation]]] = {}
+def judge(evaluations: Sequence[Evaluation]) -> tuple[list[Verdict], list[int]]:
+    """On the model thread (it embeds): one `Sidecar.judge` per distinct engine, so the spans
+    of every stream on one catalog share one llama.cpp call. The server and replay both judge
+    through here, so they inject alike. Also returns the batch sizes."""
+    groups: dict[int, list[Evaluation]] = {}
     for ev in evaluations:
-        groups.setdefault(id(ev.session.pipeline), (ev.session.pipeline, []))[1].append(ev)
+        groups.setdefault(id(ev.scope.engine), []).append(ev)
     out: list[Verdict] = []
-    for pipe, evs in groups.values():
-        judged = pipe.judge_batch([Request(ev.text, ev.source) for ev in evs])
-        for ev, d, vec in zip(evs, judged.decisions, judged.vectors):
-            out.append(Verdict(ev, d, ev.session.rank(ev, d, vec, top)))
-    return out, [len(evs) for _, evs in groups.values()]
+    for evs in groups.values():
+        judged = evs[0].scope.engine.judge([Request(ev.text, ev.source) for ev in evs], [ev.scope.asked for ev in evs])
+        out.extend(Verdict(ev, j) for ev, j in zip(evs, judged))
+    return out, [len(evs) for evs in groups.values()]
+
+
+def inject_for(v: Verdict, margin: float) -> Inject | None:
+    """The inject a verdict calls for (`Judgement.inject`), minus tools its stream already got,
+    tools its scope's catalog does not have, and tools of servers that are down now: dropped,
+    not replaced, so no tool the text did not rank close to the best is promoted in their
+    place. The tier and the trigger are the gate's."""
+    ev, d = v.ev, v.decision
+    tools: list[InjectedTool] = []
+    picks = v.judgement.inject(margin)
+    down = ev.scope.withheld() if picks else frozenset()
+    for r in picks:
+        tool = ev.scope.catalog.get(r.tool)
+        if tool is not None and r.tool not in ev.stream.injected and tool.server not in down:
+            tools.append(InjectedTool(tool.definition(), r.score, r.why))
+    if not tools:
+        return None
+    ev.stream.injected.update(t.definition["name"] for t in tools)
+    ev.owner.remember_offer([t.definition["name"] for t in tools], [r.tool for r in v.judgement.ranked.results], ev.text)
+    trig = d.trigger
+    lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
+    trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
+    latency = (time.perf_counter() - ev.received) * 1000
+    return Inject(stream=ev.stream.id, tier=d.tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
 
 
 def context_of(hello: Hello) -> Context:
@@ -197,6 +242,7 @@ def context_of(hello: Hello) -> Context:
     the tools it may be offered (catalog or server name), `hello.project` a project tag."""
     allowed = Permissions(allow=list(hello.permissions)) if hello.permissions is not None else None
     return Context(agent=hello.agent, permissions=allowed, project_tags=[hello.project] if hello.project else [])
+
 
 def session_catalog(base: Catalog, entries: Sequence[str | dict[str, Any]] | None) -> Catalog:
     """hello.tools applied to the server's catalog: names keep those server tools (all of
@@ -218,14 +264,3 @@ def session_catalog(base: Catalog, entries: Sequence[str | dict[str, Any]] | Non
     kept = [base.get(n) for n in dict.fromkeys(names)] if names else list(base)
     replaced = set(extra.names())
     return Catalog([t for t in kept if t.name not in replaced] + list(extra), [*base.sources, "hello.tools"])
-
-
-def derive_pipeline(base: Any, catalog: Catalog) -> Any:
-    """A pipeline judging `catalog` with everything else shared (model, patterns,
-    thresholds, store): `reindex` reuses the base index's unchanged tools and the store's
-    embedding cache, so only new tool texts are embedded."""
-    if hasattr(base, "with_catalog"):  # the pipeline's own API, when it grows one
-        return base.with_catalog(catalog)
-    clone = copy.copy(base)
-    clone.reindex(catalog)  # rebinds clone.indexes / clone.catalog; base is untouched
-    return clone

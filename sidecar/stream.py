@@ -9,6 +9,11 @@ cut, which bounds memory per stream whatever the client sends.
 
 A terminator counts only when whitespace follows it ("3.14", "e.g", "http://x" are not
 boundaries), so a boundary is confirmed one character late; `end()` flushes the rest.
+
+A clause already judged is judged again only when it gained content words (`lexical.tokens`:
+words other than stopwords, case aside): "let me search the notes" cut at `span_words` and
+then ended by ", please." or "." adds nothing the gate could hear, so it is not emitted again
+(`unchanged` counts those). `rejudge_unchanged=True` emits every longer span, as before.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
+from .lexical import tokens
 
 TERMINATORS = frozenset(".!?;:")
 CLOSERS = frozenset("\"')]}*_`»”’")  # may sit between a terminator and the whitespace
@@ -35,12 +42,14 @@ class Span(msgspec.Struct, frozen=True):
 class Segmenter:
     """One stream's buffer. `feed(delta)` returns the spans that became ready."""
 
-    def __init__(self, span_words: int = 12, max_chars: int = 512, min_alnum: int = 3):
+    def __init__(self, span_words: int = 12, max_chars: int = 512, min_alnum: int = 3, rejudge_unchanged: bool = False):
         if span_words < 1 or max_chars < 16:
             raise ValueError("span_words must be >= 1 and max_chars >= 16")
         self.span_words = span_words
         self.max_chars = max_chars
         self.min_alnum = min_alnum
+        self.rejudge_unchanged = rejudge_unchanged
+        self.unchanged = 0  # longer spans of a clause not emitted: no content word gained
         self.total = 0  # characters fed so far: the next delta starts at this offset
         self.ended = False
         self._buf = ""  # the current clause, from stream offset _base
@@ -50,6 +59,7 @@ class Segmenter:
         self._words = 0  # words completed since the clause began or was last judged
         self._in_word = False
         self._last: tuple[int, int] | None = None  # the last span emitted, never repeated
+        self._last_words: list[str] | None = None  # its content words
 
     @property
     def buffered(self) -> int:
@@ -118,7 +128,11 @@ class Segmenter:
         end = start + len(text)
         if self._last == (start, end):
             return
-        self._last = (start, end)
+        words = tokens(text)
+        if self._last is not None and self._last[0] == start and words == self._last_words and not self.rejudge_unchanged:
+            self.unchanged += 1  # the same clause, grown by punctuation, spaces or stopwords only
+            return
+        self._last, self._last_words = (start, end), words
         out.append(Span(start, end, text, reason))
 
     def _rebase(self, at: int) -> int:

@@ -20,7 +20,7 @@ from .calibration import Calibration
 from .catalog import SEP, Catalog
 from .config import Config
 from .evaluate import Labeled, gate_report, ranking_report, run
-from .gate import Thresholds, ToolThresholds, screen
+from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
 from .learned import GATE_SCALARS, Exemplars, fit_gate_head, fit_ranker, rank_features
 from .lexical import LexicalIndex
@@ -97,7 +97,7 @@ def _cuts(scores: np.ndarray) -> np.ndarray:
 class GateScores(msgspec.Struct):
     """Per item, what the pipeline saw: the path kind, the best score, whether its tool was right."""
 
-    path: list[str]  # "blocked" | "high" | "fallback"
+    path: list[PathKind]
     score: list[float]
     positive: list[bool]
     correct: list[bool]  # positive and the top tool is an expected one
@@ -107,8 +107,7 @@ class GateScores(msgspec.Struct):
     def from_decisions(cls, items, decisions) -> GateScores:
         path, score, positive, correct, tool = [], [], [], [], []
         for i, d in zip(items, decisions):
-            kind = "blocked" if d.path.startswith("negative:") else ("high" if d.path.startswith("high:") else "fallback")
-            path.append(kind)
+            path.append(d.kind)
             score.append(-1.0 if d.score is None else float(d.score))
             positive.append(i.positive)
             correct.append(i.positive and d.tool in i.expected)
@@ -120,11 +119,7 @@ class GateScores(msgspec.Struct):
 
 
 def fired(s: GateScores, t: Thresholds) -> np.ndarray:
-    path = np.asarray(s.path)
-    score = np.asarray(s.score)
-    tools = s.tool or [None] * len(s.path)
-    need = np.array([t.path_threshold("high:" if p == "high" else p, tool) for p, tool in zip(s.path, tools)])
-    return (path != "blocked") & (score >= need) & (score >= t.confirm)
+    return fires(s.path, np.asarray(s.score), t, s.tool or None)
 
 
 class GateFit(msgspec.Struct):
@@ -173,7 +168,7 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     score = np.asarray(s.score)
     pos = np.asarray(s.positive)
     correct = np.asarray(s.correct)
-    live = path != "blocked"
+    live = path != "negative"
     hi, fb = live & (path == "high"), live & (path == "fallback")
     grid_h = _cuts(score[hi]) if hi.any() else np.array([1.0])
     grid_f = _cuts(score[fb]) if fb.any() else np.array([1.0])
@@ -202,7 +197,7 @@ def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float
     out: dict[str, ToolThresholds] = {}
     by_tool: dict[str, list[int]] = {}
     for i, (tool, path) in enumerate(zip(s.tool, s.path)):
-        if tool is not None and path != "blocked":
+        if tool is not None and path != "negative":
             by_tool.setdefault(tool, []).append(i)
     for tool, idx in sorted(by_tool.items()):
         sub = s.subset(idx)
@@ -331,7 +326,7 @@ def fit(
             oof[test] = fit_gate_head(*both(train), exemplars, l2, l2_embedding).probability(x[test])
     head = fit_gate_head(*both(live), exemplars, l2, l2_embedding)
     scores = GateScores(
-        path=["blocked" if s.blocked else ("high" if s.path.startswith("high:") else "fallback") for s in screens],
+        path=[s.kind for s in screens],
         score=oof.tolist(),
         positive=pos.tolist(),
         correct=[bool(i.positive and t in i.expected) for i, t in zip(fit_items, tools)],

@@ -64,7 +64,7 @@ def _scores(seed=0, n=200):
     path, score, positive, correct = [], [], [], []
     for i in range(n):
         pos = i % 2 == 0
-        kind = rng.choice(["high", "fallback", "blocked"], p=[0.4, 0.55, 0.05])
+        kind = rng.choice(["high", "fallback", "negative"], p=[0.4, 0.55, 0.05])
         base = (0.62 if pos else 0.42) + (0.05 if kind == "high" else 0.0)
         path.append(str(kind))
         score.append(float(rng.normal(base, 0.07)))
@@ -117,6 +117,20 @@ def test_tools_with_enough_data_get_their_own_thresholds_and_the_gate_uses_them(
     for name, fires in (("loud", False), (quiet, True)):
         d = gate.judge("x", "user", gate.Screen("fallback"), [gate.Candidate(name, mid, "c")], t, gate.Timing())
         assert d.fired is fires and d.threshold == t.path_threshold("fallback", name)
+
+
+def test_tune_counts_exactly_what_the_gate_fires():
+    """tune searches thresholds with the gate's own rule: for every item, what `fired` counts
+    is what `gate.judge` decides, per-tool thresholds included."""
+    s = _scores(seed=5)
+    s.tool = [("t1" if k % 3 == 0 else "t2") for k in range(len(s.path))]
+    t = Thresholds(high=0.5, fallback=0.6, auto=0.7, confirm=0.45, tools={"t1": gate.ToolThresholds(fallback=0.47)})
+    counted = tune.fired(s, t)
+    screens = {"high": gate.Screen("high:x"), "fallback": gate.Screen("fallback"), "negative": gate.Screen("negative:x")}
+    judged = [gate.judge("x", "user", screens[k], [gate.Candidate(tool, sc, "c")], t, gate.Timing()).fired
+              for k, sc, tool in zip(s.path, s.score, s.tool)]  # fmt: skip
+    assert counted.tolist() == judged
+    assert 0 < sum(judged) < len(judged) and any(f and k == "fallback" and tl == "t1" and sc < 0.6 for f, k, tl, sc in zip(judged, s.path, s.tool, s.score))
 
 
 def test_fit_gate_refuses_too_little_data():

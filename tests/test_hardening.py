@@ -205,7 +205,7 @@ def test_a_connection_over_its_quota_is_not_read_until_the_model_takes_its_work(
                     for _ in range(100):  # let the server read what it will
                         await asyncio.sleep(0.01)
                     [conn] = [c for c in srv.connections.values() if c.session.hello and c.session.hello.session == "flood"]
-                    held = (conn.backlog, len(srv.pending), sum(srv._ending.values()), srv.metrics.frames.get("in", "ping"))
+                    held = (conn.backlog, len(srv.pending), sum(srv._ending.values()), srv.metrics.value("sidecar_frames_total", direction="in", type="ping"))
                     await probe.ping()  # another connection is read as ever
                     assert isinstance(await probe.recv(WAIT_S), p.Pong)
                 finally:

@@ -158,7 +158,7 @@ def test_batches_are_bounded_and_round_robin_so_a_probe_is_not_held_behind_a_flo
 
     tools, t_probe, t_flood, m = run(body())
     assert tools
-    assert m['sidecar_batch_size_bucket{le="8"}'] == m["sidecar_batch_size_count"]  # no batch over max_batch_spans
+    assert m['sidecar_batch_size_bucket{le="8.0"}'] == m["sidecar_batch_size_count"]  # no batch over max_batch_spans
     assert m["sidecar_batch_size_count"] >= (flood + 1) / per_batch
     assert t_probe < 0.3 * t_flood, (t_probe, t_flood)  # judged in the first round, not after the flood
 
@@ -178,7 +178,7 @@ def test_batches_are_bounded_in_milliseconds(small):
     # once a batch has measured the model's cost, a budget far below one span's cost lets each
     # batch take exactly one span (the first span of a batch is always taken)
     assert m["sidecar_batch_size_count"] == 1 + 24
-    assert m['sidecar_batch_size_bucket{le="1"}'] == m["sidecar_batch_size_count"]
+    assert m['sidecar_batch_size_bucket{le="1.0"}'] == m["sidecar_batch_size_count"]
 
 
 def _tools(n: int) -> list[dict]:

@@ -159,20 +159,26 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_acknowledged_calls_survive_kill_9(tmp_path):
-    db = tmp_path / "durable.db"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, cwd=ROOT, text=True,
+def acked_then_killed(location: str, n: int = 200) -> list[int]:
+    """The ids a writer process acknowledged (after each commit) before it was killed -9."""
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, location], stdout=subprocess.PIPE, cwd=ROOT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     acked = []
     try:
-        while len(acked) < 200:
+        while len(acked) < n:
             line = proc.stdout.readline()
-            assert line, "writer died before acknowledging 200 calls"
+            assert line, f"writer died before acknowledging {n} calls"
             acked.append(int(line))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    return acked
+
+
+def test_acknowledged_calls_survive_kill_9(tmp_path):
+    db = tmp_path / "durable.db"
+    acked = acked_then_killed(str(db))
     ms = MetricsStore(Store(db))
     ids = {r[0] for r in ms.store.query("SELECT id FROM tool_calls")}
     assert set(acked) <= ids

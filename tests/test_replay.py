@@ -16,11 +16,9 @@ from sidecar import catalog as catalog_mod
 from sidecar import config as config_mod
 from sidecar import models, pipeline, replay
 from sidecar.config import ServerConfig
-from sidecar.metrics import MetricsStore
-from sidecar.recommend import Recommender
 from sidecar.server import SidecarServer
 from sidecar.store import Store
-from tests.conftest import CATALOGS, ROOT
+from tests.conftest import CATALOGS, ROOT, engine_of
 
 NOTES = CATALOGS / "notes.json"
 TRANSCRIPTS = sorted((ROOT / "fixtures" / "transcripts").glob("*.jsonl"))
@@ -69,7 +67,7 @@ def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
     ))  # fmt: skip
     convs = replay.read_transcripts([path], pipe.catalog)
     assert [c.id for c in convs] == ["k8s", "chat"]
-    detections, summary = replay.replay(pipe, convs)
+    detections, summary = replay.replay(engine_of(pipe, history=False), convs)
     assert summary.conversations == 2 and summary.messages == 4  # tool messages are not replayed
     hits = [d for d in detections if d.conversation == "k8s" and d.role == "assistant"]
     assert hits and hits[0].tools[0] == "semantic_search" and hits[0].correct[0]
@@ -131,12 +129,13 @@ def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")]})
     pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
     convs = replay.read_transcripts(TRANSCRIPTS, pipe.catalog)
-    rec = Recommender(pipe, MetricsStore(pipe.store), cfg.recommend)
-    detections, summary = replay.replay(pipe, convs, limits, recommender=rec)
+    cfg = msgspec.structs.replace(cfg, server=limits)
+    engine = engine_of(pipe, cfg)
+    detections, summary = replay.replay(engine, convs)
     assert summary.injections > 0
 
     async def through_server() -> tuple[subprocess.CompletedProcess, dict[str, float]]:
-        srv = SidecarServer(msgspec.structs.replace(cfg, server=limits), pipeline=pipe)
+        srv = SidecarServer(cfg, engine=engine)
         await srv.start()
         try:
             proc = await asyncio.create_subprocess_exec(

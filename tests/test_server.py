@@ -33,7 +33,7 @@ from sidecar.server import SidecarServer
 from sidecar.store import Store
 from sidecar.stream import Segmenter
 
-from .conftest import CATALOGS, ROOT
+from .conftest import CATALOGS, ROOT, engine_of
 from .test_pipeline import _pipeline
 
 NOTES = CATALOGS / "notes.json"
@@ -68,7 +68,8 @@ def run(coro):
 
 @contextlib.asynccontextmanager
 async def serving(pipe, **limits):
-    server = SidecarServer(Config(server=ServerConfig(port=0, **limits)), pipeline=pipe)
+    cfg = Config(server=ServerConfig(port=0, **limits))
+    server = SidecarServer(cfg, engine=engine_of(pipe, cfg))
     await server.start()
     try:
         yield server
@@ -234,7 +235,7 @@ def test_inject_tools_are_the_recommenders_within_the_hello_permissions(small):
                 await sc.user("u", SEARCH)
                 msgs = await decisions(sc, 1)
                 [inj] = [m for m in msgs if isinstance(m, p.Inject)]
-                ranked = srv.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
+                ranked = srv.engine.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
                 close = [r for r in ranked if r.score >= ranked[0].score - srv.limits.inject_margin]
                 assert [(t.definition["name"], t.score, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
                 assert inj.tier == msgs[-1].tier  # the gate's
@@ -262,7 +263,7 @@ def test_fifty_concurrent_clients_each_get_their_own_inject(small):
         async with serving(small) as srv:
             results = await asyncio.gather(*(one(srv.url, i) for i in range(50)))
             assert len(srv.connections) <= 50
-            return results, srv.metrics.batch.count, srv.metrics.latency.count
+            return results, srv.metrics.value("sidecar_batch_size_count"), srv.metrics.value("sidecar_decision_latency_seconds_count")
 
     results, batches, judged = run(body())
     assert len(results) == 50
@@ -315,10 +316,11 @@ def test_bad_frames_get_errors_naming_the_problem_while_another_client_keeps_wor
         async with serving(small) as srv:
             _, got = await asyncio.gather(bad(srv.url), good(srv.url))
             assert got[0] == "semantic_search"
-            return srv.metrics.errors.values, srv.metrics.frames.get("in", "invalid")
+            errors = {code: srv.metrics.value("sidecar_errors_total", code=code) for code in ("bad_json", "unknown_type", "no_hello")}
+            return errors, srv.metrics.value("sidecar_frames_total", direction="in", type="invalid")
 
     errors, invalid = run(body())
-    assert errors[("bad_json",)] == 1 and errors[("unknown_type",)] == 1 and errors[("no_hello",)] == 1
+    assert errors == {"bad_json": 1, "unknown_type": 1, "no_hello": 1}
     assert invalid == 8  # the frames that did not decode as a client message
 
 
@@ -419,10 +421,10 @@ def test_ack_comes_once_the_record_is_in_the_metrics_tables(small):
                 assert row == ("save this", '["create_note"]', "create_note", 4.5, "bot")
             finally:
                 db.close()
-            return srv.metrics.events.values
+            return {kind: srv.metrics.value("sidecar_events_total", kind=kind) for kind in ("tool_result", "feedback")}
 
     events = run(body())
-    assert events == {("tool_result",): 2, ("feedback",): 1}
+    assert events == {"tool_result": 2, "feedback": 1}
 
 
 def test_a_failed_tool_result_is_acked_with_fallbacks_and_unknown_tools_are_refused(small):
@@ -434,7 +436,7 @@ def test_a_failed_tool_result_is_acked_with_fallbacks_and_unknown_tools_are_refu
                 ack = (await until(sc, lambda m: isinstance(m, p.Ack)))[-1]
                 assert ack.ref == 18
                 assert db.execute("SELECT tool, success, error FROM tool_calls WHERE id=?", (ack.id,)).fetchone() == ("create_note", 0, "timeout")
-                want = srv.recommender.fallbacks("create_note")
+                want = srv.engine.recommender.fallbacks("create_note")
                 assert want and [f.tool for f in ack.fallback_suggestions] == [f.tool for f in want]
                 assert all(f.tool != "create_note" and small.catalog.get(f.tool) and f.reason for f in ack.fallback_suggestions)
                 before = db.execute("SELECT count(*) FROM tool_calls").fetchone()[0]
@@ -524,7 +526,7 @@ def test_hello_tools_narrow_and_extend_the_catalog(small):
                 assert inj[0].tools[0].definition["inputSchema"] == WEATHER["inputSchema"]
             with pytest.raises(SidecarError, match="unknown_tool.*no_such_tool"):
                 await SidecarClient.connect(srv.url, session="bad", tools=["no_such_tool"])
-            assert small.catalog.names() == srv.pipeline.catalog.names()  # the server's own is untouched
+            assert small.catalog.names() == srv.engine.catalog.names()  # the server's own is untouched
 
     run(body())
 
@@ -583,7 +585,7 @@ def test_metrics_count_what_happened(small):
         return status, headers, text
 
     status, headers, text = run(body())
-    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=")
     m = parse_metrics(text)
     assert m['sidecar_frames_total{direction="in",type="token"}'] == len(pieces)
     assert m['sidecar_frames_total{direction="in",type="hello"}'] == 1
@@ -718,19 +720,39 @@ def test_example_client_streams_a_reply_and_prints_the_injection(small):
 
     code, out, err = run(body())
     assert code == 0, err
-    assert re.search(r"^inject \[(auto|confirm)\] semantic_search", out, re.M), out
+    assert re.search(r"^inject \[(auto|confirm)\] semantic_search", out, re.MULTILINE), out
     assert "1 inject(s)" in out
 
 
 def test_protocol_examples_in_the_docs_decode():
     """Every client example in docs/protocol.md is a valid message; every server one too."""
     text = (ROOT / "docs" / "protocol.md").read_text()
-    frames = re.findall(r"^(?:→|←) (\{.*\})$", text, re.M)
+    frames = re.findall(r"^(?:→|←) (\{.*\})$", text, re.MULTILINE)
     assert len(frames) >= 12
     types = set()
-    for line in re.findall(r"^(→|←) (\{.*\})$", text, re.M):
+    for line in re.findall(r"^(→|←) (\{.*\})$", text, re.MULTILINE):
         arrow, frame = line
         msg = p.decode_client(frame) if arrow == "→" else p.decode_server(frame)
         types.add(type(msg).__struct_config__.tag)
     assert types >= {"hello", "user", "token", "end", "tool_result", "feedback", "ping", "ready", "inject", "decision", "ack", "ended", "error", "pong"}
     assert msgspec.json.decode(frames[0])["type"] == "hello"
+
+
+def test_the_inject_in_the_docs_is_what_the_server_sends_for_the_docs_reply(small):
+    """docs/protocol.md's reply-1 frames, streamed to a real server: its inject names the same
+    tool, tier and trigger as the documented one (scores and reasons are the model's)."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    sent = [msgspec.json.decode(f) for f in re.findall(r"^→ (\{.*\})$", text, re.MULTILINE)]
+    deltas = [f["delta"] for f in sent if f.get("type") == "token" and f.get("stream") == "reply-1"]
+    [documented] = [m for f in re.findall(r"^← (\{.*\})$", text, re.MULTILINE) if isinstance(m := p.decode_server(f), p.Inject) and m.stream == "reply-1"]
+
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="docs") as sc:
+            for d in deltas:
+                await sc.token("reply-1", d)
+            await sc.end("reply-1")
+            return [m for m in await until(sc, lambda m: isinstance(m, p.Ended)) if isinstance(m, p.Inject)]
+
+    [got] = run(body())
+    assert [t.definition for t in got.tools] == [t.definition for t in documented.tools]
+    assert (got.tier, got.trigger) == (documented.tier, documented.trigger)

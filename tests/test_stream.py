@@ -9,11 +9,20 @@ import pytest
 
 from sidecar import catalog as catalog_mod
 from sidecar.config import ServerConfig
-from sidecar.gate import Candidate, Decision, Thresholds, Timing, Trigger
+from sidecar.engine import Judgement
+from sidecar.gate import Candidate, Decision, Timing, Trigger
 from sidecar.pending import Pending
 from sidecar.protocol import Hello, ProtocolError
+from sidecar.recommend.filters import Context
 from sidecar.recommend.recommender import Factors, Recommendation, Recommendations
-from sidecar.session import Session, Verdict, context_of, session_catalog
+from sidecar.session import (
+    Scope,
+    Session,
+    Verdict,
+    context_of,
+    inject_for,
+    session_catalog,
+)
 from sidecar.stream import Segmenter
 
 from .conftest import CATALOGS
@@ -136,8 +145,12 @@ def notes():
     return catalog_mod.load([CATALOGS / "notes.json"])
 
 
-class FakePipeline:
-    thresholds = Thresholds(high=0.35, fallback=0.55, auto=0.60, confirm=0.40)
+def started(limits: ServerConfig, catalog) -> Session:
+    """A session after its hello. Its scope has no engine: these tests never judge a span."""
+    s = Session(limits)
+    hello = Hello(session="s")
+    s.start(hello, Scope(catalog, context_of(hello), engine=None))
+    return s
 
 
 def fired(tool: str, score: float, others=()) -> Decision:
@@ -146,11 +159,14 @@ def fired(tool: str, score: float, others=()) -> Decision:
 
 
 def test_session_needs_hello_and_enforces_stream_limits(notes):
-    s = Session(ServerConfig(max_streams=2), notes, FakePipeline())
+    s = Session(ServerConfig(max_streams=2))
     with pytest.raises(ProtocolError) as e:
         s.on_token("a", "hi", 0.0)
     assert e.value.code == "no_hello"
-    s.start(Hello(session="s"), notes, FakePipeline())
+    s.start(Hello(session="s"), Scope(notes, Context(), engine=None))
+    with pytest.raises(ProtocolError) as e:
+        s.start(Hello(session="s"), Scope(notes, Context(), engine=None))
+    assert e.value.code == "hello_again"
     s.on_token("a", "x", 0.0)
     s.on_token("b", "y", 0.0)
     with pytest.raises(ProtocolError) as e:
@@ -166,29 +182,34 @@ def test_session_needs_hello_and_enforces_stream_limits(notes):
     assert e.value.code == "unknown_stream"
 
 
+def verdict(ev, d: Decision, ranked: Recommendations | None) -> Verdict:
+    return Verdict(ev, Judgement(d, ranked))
+
+
 def ranked(*scored: tuple[str, float]) -> Recommendations:
     factors = Factors(0.5, 0.5, 0.5, 0.5, 0.5, 0.5, None, 1.0, 0)
     return Recommendations("q", [Recommendation(t, s, f"why {t}", factors) for t, s in scored])
 
 
 def test_a_tool_is_injected_once_per_stream_with_close_runners_up(notes):
-    s = Session(ServerConfig(inject_margin=0.05), notes, FakePipeline())
-    s.start(Hello(session="s"), notes, FakePipeline())
+    s = started(ServerConfig(inject_margin=0.05), notes)
     [ev] = s.on_user("u1", "  please note this", 0.0)
     assert (ev.start, ev.end, ev.source) == (2, 18, "user")
     d = fired("create_note", 0.70)
-    inj = s.inject_for(Verdict(ev, d, ranked(("create_note", 0.70), ("update_note", 0.67), ("read_note", 0.50))), 0.05)
+    inj = inject_for(verdict(ev, d, ranked(("create_note", 0.70), ("update_note", 0.67), ("read_note", 0.50))), 0.05)
     assert [t.definition["name"] for t in inj.tools] == ["create_note", "update_note"]
     assert [t.why for t in inj.tools] == ["why create_note", "why update_note"]  # the recommender's
     assert inj.tools[0].definition == notes.get("create_note").definition()
     assert inj.tier == d.tier and (inj.trigger.start, inj.trigger.end, inj.trigger.path) == (4, 11, "high:x")
     [ev2] = s.on_user("u1", "again please note this", 0.0)
-    assert s.inject_for(Verdict(ev2, d, ranked(("create_note", 0.9))), 0.05) is None  # already injected in u1
-    assert s.inject_for(Verdict(ev2, d, None), 0.05) is None  # nothing ranked
+    assert inject_for(verdict(ev2, d, ranked(("create_note", 0.9))), 0.05) is None  # already injected in u1
+    assert inject_for(verdict(ev2, d, None), 0.05) is None  # nothing ranked
     [ev3] = s.on_user("u2", "please note this", 0.0)
     silent = msgspec.structs.replace(d, fired=False)
-    assert s.inject_for(Verdict(ev3, silent, ranked(("create_note", 0.9))), 0.05) is None  # the gate decides
-    assert s.inject_for(Verdict(ev3, d, ranked(("create_note", 0.9))), 0.05) is not None  # another stream
+    assert inject_for(verdict(ev3, silent, ranked(("create_note", 0.9))), 0.05) is None  # the gate decides
+    assert inject_for(verdict(ev3, d, ranked(("create_note", 0.9))), 0.05) is not None  # another stream
+    [ev4] = s.on_user("u3", "please note this", 0.0)
+    assert inject_for(verdict(ev4, d, ranked(("not_in_this_catalog", 0.9), ("read_note", 0.89))), 0.05).tools[0].definition["name"] == "read_note"
 
 
 def test_hello_becomes_the_recommenders_context():
@@ -225,8 +246,7 @@ def test_a_run_of_terminators_cannot_grow_the_buffer():
 
 
 def test_clauses_of_a_stream_never_supersede_each_other_but_a_growing_clause_does(notes):
-    s = Session(ServerConfig(span_words=3), notes, FakePipeline())
-    s.start(Hello(session="s"), notes, FakePipeline())
+    s = started(ServerConfig(span_words=3), notes)
     q = Pending(max_pending=100, stale_s=10.0)
     for ev in s.on_token("a", "one two three four five six. seven eight nine ten.", 0.0) + s.on_end("a", 0.0):
         q.put(ev)

@@ -17,9 +17,8 @@ and call_tool do not.
 
 from __future__ import annotations
 
-import contextlib
-
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -35,11 +34,12 @@ from mcp.server.lowlevel import Server
 from .. import __version__
 from ..catalog import Catalog
 from ..config import Config
-from ..metrics import MetricsStore, key_of
+from ..engine import Sidecar, open_history
+from ..metrics import key_of
 from ..store import Store
 from . import meta
 from .connections import ConnectionManager, ServerUnavailable, describe
-from .live import LiveCatalog
+from .live import LiveCatalog, go_live
 
 log = logging.getLogger("sidecar.mcp")
 
@@ -69,7 +69,7 @@ class MetaServer:
     def __init__(self, manager: ConnectionManager, cfg: Config, store: Store):
         self.manager, self.cfg, self.store = manager, cfg, store
         self.keep_tools = list(manager.options.keep_tools)
-        self.metrics = MetricsStore(store, cfg.recommend.metrics_retention_days)
+        self.metrics = open_history(cfg, store)  # calls are recorded while the model still loads
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-model")
         self.recommender = None
         self.live: LiveCatalog | None = None
@@ -100,23 +100,10 @@ class MetaServer:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _prepare(self) -> None:
-        from ..pipeline import from_config
-        from ..recommend import Recommender
-
-        connecting = asyncio.ensure_future(self.manager.connect_all())
-        try:
-            loop = asyncio.get_running_loop()
-            load = functools.partial(from_config, self.cfg, catalog=Catalog([]), store=self.store, progress=False)
-            pipe = await loop.run_in_executor(self.executor, load)
-            self.recommender = Recommender(pipe, self.metrics, self.cfg.recommend)
-            self.live = LiveCatalog(self.manager, pipe, executor=self.executor)
-            for name, err in (await connecting).items():
-                if err is not None:
-                    log.warning("%s: not indexed: %s", name, err)
-        finally:
-            connecting.cancel()  # a no-op once it is done
-        await self.live.sync()
-        await self.live.settled()
+        load = functools.partial(Sidecar.open, self.cfg, catalog=Catalog([]), store=self.store, progress=False, history=self.metrics)
+        engine, self.live = await go_live(self.manager, load, self.executor)
+        pipe = engine.pipeline
+        self.recommender = engine.recommender
         log.info("ready: %d tools from %d server(s), model %s", len(pipe.catalog), len(self.manager.listings()), pipe.embedder.name)
 
     # ---- tools/list ------------------------------------------------------------------------

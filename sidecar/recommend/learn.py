@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 from collections.abc import Iterable, Sequence
 
 import msgspec
 import numpy as np
 
+from .. import ranking
 from .scoring import FACTORS, Weights
 
 KS = (1, 3, 5, 10)
@@ -42,33 +42,24 @@ class Evaluation(msgspec.Struct):
     not_recommended: int  # rows whose selected tool was not in the list at all
 
 
-def rank_of(selected: str, recommended: Sequence[str]) -> int | None:
-    """1-based position of the selected tool, None when it was not recommended."""
-    try:
-        return list(recommended).index(selected) + 1
-    except ValueError:
-        return None
-
-
 def evaluate(rows: Iterable, catalog_size: int | None = None, ks: Sequence[int] = KS) -> Evaluation:
     """MRR, P@k, nDCG and coverage of recorded recommendations. `rows`: anything with
     `recommended` (best first) and `selected` (e.g. metrics.Feedback); rows without a
     selected tool count towards coverage only."""
-    ranks: list[int | None] = []
+    hits: list[int | None] = []
+    gains: list[float] = []
     seen: set[str] = set()
     for fb in rows:
         seen.update(fb.recommended)
         if fb.selected:
-            ranks.append(rank_of(fb.selected, fb.recommended))
-    n = len(ranks)
+            hits.append(ranking.first_hit(fb.recommended, {fb.selected}))
+            gains.append(ranking.ndcg(fb.recommended, {fb.selected}, k=len(fb.recommended)))
+    n = len(hits)
     coverage = None if not catalog_size else min(len(seen) / catalog_size, 1.0)
     if not n:
         return Evaluation(0, 0.0, {str(k): 0.0 for k in ks}, 0.0, coverage, 0)
-    mrr = sum(1.0 / r for r in ranks if r) / n
-    prec = {str(k): sum(1 for r in ranks if r and r <= k) / n for k in ks}
-    ndcg = sum(1.0 / math.log2(r + 1) for r in ranks if r) / n
-    return Evaluation(n, round(mrr, 4), {k: round(v, 4) for k, v in prec.items()}, round(ndcg, 4), coverage,
-                      sum(1 for r in ranks if r is None))  # fmt: skip
+    return Evaluation(n, round(ranking.mrr(hits), 4), {str(k): round(ranking.hit_rate(hits, k), 4) for k in ks},
+                      round(sum(gains) / n, 4), coverage, sum(1 for h in hits if h is None))  # fmt: skip
 
 
 def by_variant(rows: Iterable, catalog_size: int | None = None) -> dict[str, Evaluation]:

@@ -34,7 +34,6 @@ from .learn import assign_variant
 
 Mode = Literal["semantic", "lexical", "hybrid"]
 MODES = ("semantic", "lexical", "hybrid")
-CACHE_SIZE = 1024
 # Inverted-index hit weights: a shared term says more than a shared verb, a verb more than a domain.
 TERM_HIT, ACTION_HIT, DOMAIN_HIT = 1.0, 0.6, 0.25
 
@@ -176,16 +175,9 @@ class Recommender:
         if weights is None and self.cfg.cache_ttl_s > 0:
             with self._lock:
                 self._cache[key] = (now, generation, state.catalog, res)
-                while len(self._cache) > CACHE_SIZE:
+                while len(self._cache) > self.cfg.cache_size:
                     self._cache.popitem(last=False)
         return res
-
-    def invalidate(self) -> None:
-        """Drop cached recommendations (they also expire on their own when the metrics
-        generation or the catalog changes, or after `cache_ttl_s`)."""
-        with self._lock:
-            self._cache.clear()
-            self._history = None
 
     def factor_matrix(self, query: str, names: Sequence[str], context: F.Context | None = None, mode: Mode | None = None) -> np.ndarray:
         """(len(names), 5) factor values (FACTORS order) of the named tools for `query`, as

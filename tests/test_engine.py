@@ -1,0 +1,82 @@
+"""One engine: detect, eval, replay and serve inject the same first tool for the same text and
+catalog, because every one of them judges through `Sidecar.judge` (real model, real store,
+a real server on 127.0.0.1 and the real CLI)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+from sidecar import config as config_mod
+from sidecar import evaluate, models, protocol as p, replay
+from sidecar.client import SidecarClient
+from sidecar.engine import Sidecar
+from sidecar.evaluate import Labeled
+from sidecar.pipeline import Request
+from sidecar.server import SidecarServer
+from sidecar.store import Store
+
+from .conftest import CATALOGS, ROOT
+
+CATALOG = CATALOGS / "filesystem.json"
+TEXTS = [  # user turns that name no tool: the ranking, not a pattern, decides which tool is first
+    "please look through the project folder for every yaml file",
+    "open the settings file and show me what is in it",
+    "make a new folder called archive in my documents",
+    "write these notes into a new file named todo.txt",
+    "move the old report into the backup directory",
+]
+BOUND_S = 300
+
+
+def test_detect_eval_replay_and_serve_inject_the_same_first_tool(tmp_path):
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOG)],
+                                             ("store",): str(tmp_path / "s.db"), ("server", "port"): 0})  # fmt: skip
+    engine = Sidecar.open(cfg, progress=False)
+    judged = engine.judge([Request(t) for t in TEXTS])
+    first = {t: j.first for t, j in zip(TEXTS, judged)}
+    fired = [t for t in TEXTS if first[t] is not None]
+    assert len(fired) >= 3, first  # enough of them fire for the comparison to mean something
+    assert len({first[t] for t in fired}) >= 2  # and not all for one tool
+
+    # detect, as a user runs it
+    for text in fired:
+        out = subprocess.run([sys.executable, "-m", "sidecar", "detect", "--json", "--model", models.SMALL_MODEL, "--catalog", str(CATALOG),
+                              "--store", str(tmp_path / "s.db"), text], capture_output=True, text=True, timeout=BOUND_S, cwd=ROOT)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["inject"][0]["tool"] == first[text], text
+
+    # eval: labelled with the engine's own first tools, every fired item is "fired with the right tool"
+    items = [Labeled(t, first[t]) for t in fired]
+    report = evaluate.evaluate(Sidecar.open(cfg, progress=False, history=False), items)
+    assert report.gate.tp_rate == 1.0 and report.gate.correct_rate == 1.0
+
+    # replay: each text as a user turn
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"conversation": f"c{i}", "role": "user", "content": t}) + "\n" for i, t in enumerate(fired)))
+    detections, _ = replay.replay(engine, replay.read_transcripts([path], engine.catalog))
+    assert {d.conversation: d.tools[0] for d in detections} == {f"c{i}": first[t] for i, t in enumerate(fired)}
+
+    # serve: a real server and client
+    async def served() -> dict[str, str]:
+        server = SidecarServer(cfg, engine=Sidecar(cfg, engine.pipeline, Store(tmp_path / "serve.db"), None))
+        await server.start()
+        try:
+            async with await SidecarClient.connect(server.url, session="agree") as sc:
+                got = {}
+                for i, text in enumerate(fired):
+                    await sc.user(f"u{i}", text)
+                    await sc.end(f"u{i}")
+                    while True:
+                        m = await sc.recv(60)
+                        if isinstance(m, p.Inject):
+                            got[text] = m.tools[0].definition["name"]
+                        if isinstance(m, p.Ended):
+                            break
+                return got
+        finally:
+            await server.shutdown()
+
+    assert asyncio.run(asyncio.wait_for(served(), BOUND_S)) == {t: first[t] for t in fired}

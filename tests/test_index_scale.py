@@ -1,0 +1,63 @@
+"""The index across restarts (issue 12, part 5): a build keeps each tool's derived texts and
+vectors in the store by content hash, so a restart reads them back whole instead of deriving
+and looking up every text, and a changed tool is the only one derived and embedded again.
+Real MiniLM, real SQLite file."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from sidecar import catalog as catalog_mod
+from sidecar import models
+from sidecar.cases import Strategy
+from sidecar.embed import Embedder
+from sidecar.index import ToolIndex
+from sidecar.store import Store
+from tests.conftest import CATALOGS
+
+BASE = Strategy.parse("base")
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    r = models.resolve(models.SMALL_MODEL, progress=False)
+    return Embedder(r.path, name=r.name, identity=models.file_sha256(r.path), threads=1, max_tokens=r.spec.n_ctx)
+
+
+@pytest.fixture(scope="module")
+def cat() -> catalog_mod.Catalog:
+    return catalog_mod.load([CATALOGS / "git.json", CATALOGS / "time.json"])
+
+
+def test_a_restart_reads_every_tool_back_from_the_store(embedder, cat, tmp_path):
+    first = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    assert first.stats.embedded > 0 and first.stats.stored == 0
+    again = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))  # a new connection: a restart
+    assert again.stats.stored == len(cat) and again.stats.embedded == 0
+    assert again.stats.cached == first.stats.embedded  # every text, counted once
+    assert again.names == first.names and again.texts == first.texts
+    assert np.array_equal(again.matrix, first.matrix) and np.array_equal(again.primary, first.primary)
+    q = embedder.embed(["show me the git log"]).vectors
+    assert np.array_equal(again.tool_scores(q), first.tool_scores(q))
+
+
+def test_a_restart_derives_and_embeds_only_the_changed_tool(embedder, cat, tmp_path):
+    ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    tools = list(cat)
+    tools[0] = msgspec.structs.replace(tools[0], description="Summarise the repository's history as a changelog for a release.")
+    changed = catalog_mod.Catalog(tools, ["<edited>"])
+    again = ToolIndex.build(changed, embedder, BASE, Store(tmp_path / "s.db"))
+    assert again.stats.stored == len(tools) - 1
+    assert 0 < again.stats.embedded <= 3  # the changed tool's new texts only
+    assert any("changelog" in t for t in again.entries[tools[0].name].texts)
+
+
+def test_stored_rows_are_per_model_and_strategy(embedder, cat, tmp_path):
+    ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    other = ToolIndex.build(cat, embedder, Strategy.parse("prefix"), Store(tmp_path / "s.db"))
+    assert other.stats.stored == 0  # other texts: derived again (the shared ones come from the cache)
+    assert all(t.startswith(f"{n.replace('__', ' ')}: ") for n in other.names for t in other.entries[n].texts)  # "git git_log: ..."
+    renamed = Embedder(embedder.path, name="other", identity="another-model", threads=1, max_tokens=embedder.max_tokens)
+    assert ToolIndex.build(cat, renamed, BASE, Store(tmp_path / "s.db")).stats.stored == 0

@@ -1,0 +1,165 @@
+"""The page `GET /` serves (sidecar/page/), in a real headless Chromium: Debian's
+/usr/bin/chromium driven by Playwright for Python through `executable_path` (Playwright's own
+browser builds are never downloaded). Each test starts a real `sidecar serve` with a token
+and an Origin allowlist, as a deployment reached from a browser would have.
+
+`SIDECAR_PAGE_SCREENSHOT=docs/page.png` saves the page as the first test leaves it (the
+README's picture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import socket
+import sqlite3
+
+import pytest
+from playwright.async_api import Page, async_playwright
+from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+from .conftest import ROOT
+from .test_server import WAIT_S, _serve, http_get, parse_metrics, run
+
+CHROMIUM = pathlib.Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+SECRET = "page-test-token"
+TURN = "Show me the note about onboarding"
+REPLY = "Sure. I should call semantic_search to find the kubernetes setup. Maybe I should check your notes on this as well. Ok."
+WAIT_MS = WAIT_S * 1000
+
+
+@pytest.fixture
+def chromium() -> str:
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(f"{CHROMIUM} is missing: the page is tested in Debian's chromium (apt-get install chromium)", pytrace=False)
+    return str(CHROMIUM)
+
+
+def free_port() -> int:
+    """A port for the server, known before it starts: the allowlist names the page's origin."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def sidecar(tmp_path: pathlib.Path):
+    """A real `sidecar serve` (small model, notes catalog) that needs SECRET and allows only
+    its own origin; yields its port."""
+    port = free_port()
+    cfg = tmp_path / "sidecar.toml"
+    # auto pinned between the reply's two fired clauses (about 0.95 and 0.83 today), so it
+    # yields one card of each tier even if a refit moves the calibration's own threshold
+    cfg.write_text(f'[server]\ntoken = "{SECRET}"\norigins = ["http://127.0.0.1:{port}"]\n\n[gate]\nauto = 0.9\n')
+    proc, url, lines, drain = await _serve(tmp_path, "--config", str(cfg), "--port", str(port))
+    assert url == f"ws://127.0.0.1:{port}", lines
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        await proc.wait()
+        await drain
+
+
+@contextlib.asynccontextmanager
+async def browser(executable: str):
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def send(page: Page, mode: str, text: str) -> None:
+    await page.get_by_text(mode, exact=True).click()
+    await page.fill("#input", text)
+    await page.click("#send")
+
+
+async def tile(page: Page, key: str) -> str:
+    return await page.text_content(f'[data-key="{key}"] .v')
+
+
+def test_a_reply_streamed_from_the_page_gets_inject_cards_and_a_confirm_is_stored(tmp_path, chromium):
+    async def body():
+        async with sidecar(tmp_path) as port, browser(chromium) as b:
+            page = await b.new_page(viewport={"width": 1280, "height": 1000})
+            problems: list[str] = []  # script errors and console errors (a CSP refusal is one)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            resp = await page.goto(f"http://127.0.0.1:{port}/?token={SECRET}")
+            assert resp.status == 200
+            assert "script-src 'sha256-" in resp.headers["content-security-policy"]
+            try:
+                await page.wait_for_selector('#status[data-state="ready"]', timeout=WAIT_MS)
+            except PlaywrightTimeout:
+                raise AssertionError(f"the page never got `ready`: {await page.text_content('#status')}; {problems}") from None
+            assert "all-minilm-l6-v2" in await page.text_content("#status")
+
+            await send(page, "User turn", TURN)
+            await page.wait_for_selector('.card[data-tools~="read_note"]', timeout=WAIT_MS)
+
+            await send(page, "Assistant reply", REPLY)
+            await page.fill("#rate", "40")  # the rest of the reply at 40 tokens/s
+            card = page.locator('.card[data-tier="auto"][data-tools~="semantic_search"]')
+            await card.wait_for(timeout=WAIT_MS)
+            assert "call semantic_search" in await card.locator(".trigger q").text_content()
+            # the judged spans are painted in the streamed text, the trigger within them
+            reply = page.locator(".turn", has_text="reply-")
+            await reply.locator(".state", has_text="judged").wait_for(timeout=WAIT_MS)
+            assert "call semantic_search" in await reply.locator(".j.auto.trig").first.text_content()
+            assert await reply.locator(".j.confirm").count() >= 1
+            assert await reply.locator(".j.silent").count() >= 1  # "Sure." judged, silent
+
+            ask = page.locator('.card[data-tier="confirm"]')
+            await ask.wait_for(timeout=WAIT_MS)
+            tool = (await ask.locator(".tool .name").first.text_content()).strip()
+            query = await ask.locator(".trigger q").text_content()
+            await ask.locator("button.confirm-yes").click()
+            done = ask.locator(".done.ok")
+            await done.wait_for(timeout=WAIT_MS)
+            assert f"confirmed {tool}, recorded as feedback #" in await done.text_content()
+
+            # the live panel shows what /metrics says (polled every 2 s)
+            await page.wait_for_function("() => document.querySelector('[data-key=\"feedback recorded\"] .v')?.textContent === '1'",
+                                         timeout=WAIT_MS)  # fmt: skip
+            served = parse_metrics((await http_get(port, "/metrics", {"Authorization": f"Bearer {SECRET}"}))[2])
+            for key, name in [("injections auto", 'sidecar_injections_total{tier="auto"}'),
+                              ("injections confirm", 'sidecar_injections_total{tier="confirm"}')]:  # fmt: skip
+                assert float(await tile(page, key)) == served[name] >= 1
+            assert problems == []
+            if shot := os.environ.get("SIDECAR_PAGE_SCREENSHOT"):
+                await page.mouse.move(0, 0)
+                await page.screenshot(path=ROOT / shot, full_page=True)
+            return tool, query
+
+    tool, query = run(body())
+    db = sqlite3.connect(tmp_path / "serve.db")
+    try:
+        assert db.execute("SELECT selected, rating, query FROM feedback").fetchall() == [(tool, 5.0, query)]
+    finally:
+        db.close()
+
+
+def test_the_page_is_refused_without_the_token_and_its_socket_from_another_origin(tmp_path, chromium):
+    async def body():
+        async with sidecar(tmp_path) as port, browser(chromium) as b:
+            page = await b.new_page()
+            for url in (f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{port}/?token=wrong"):
+                resp = await page.goto(url)
+                assert resp.status == 401
+                assert "a token is required" in await page.text_content("body")
+            # the same server under another name: a navigation sends no Origin, so the page
+            # loads, but its websocket says Origin http://localhost:PORT, not in the allowlist
+            resp = await page.goto(f"http://localhost:{port}/?token={SECRET}")
+            assert resp.status == 200
+            await page.wait_for_selector('#status[data-state="down"]', timeout=WAIT_MS)
+            assert await page.is_disabled("#send")
+            status, _, text = await http_get(port, f"/?token={SECRET}", {"Origin": "https://evil.example"})
+            assert (status, text) == (403, "origin https://evil.example is not allowed\n")
+
+    run(body())
