@@ -333,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
     for name in names:
-        path = models.pull(name, dest=args.dir, progress=True, force=args.force, quants=models.PULLED_QUANTS)
+        path = models.pull(name, dest=args.dir or config_mod.load().model.dir, progress=True, force=args.force, quants=models.PULLED_QUANTS)
         print(f"{name}: {path}")
         if ":" not in name:
             for quant in models.PULLED_QUANTS:
@@ -342,6 +342,7 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_model_list(args: argparse.Namespace) -> int:
+    args.dir = args.dir or config_mod.load().model.dir
     present = {m.name: m for m in models.installed(args.dir)}
 
     def row(spec: models.ModelSpec) -> dict:
@@ -357,9 +358,9 @@ def cmd_model_list(args: argparse.Namespace) -> int:
         rows.append({"name": m.name, "quant": None, "installed": True, "path": m.path, "size": m.size, "default": False, "license": None,
                      "source": "local file", "variants": []})  # fmt: skip
     if args.json:
-        _print_json({"dir": str(args.dir or models.models_dir()), "models": rows})
+        _print_json({"dir": str(args.dir), "models": rows})
         return 0
-    print(f"models in {args.dir or models.models_dir()}")
+    print(f"models in {args.dir}")
     for r in rows:
         for i, v in enumerate([r, *r["variants"]]):
             mark = "*" if v["default"] else " "

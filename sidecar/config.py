@@ -247,6 +247,10 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
         from .store import default_path
 
         tree["store"] = str(default_path(env.get("XDG_DATA_HOME")))
+    if isinstance(model := tree.setdefault("model", {}), dict) and not model.get("dir"):
+        from .models import models_dir
+
+        model["dir"] = str(models_dir(env.get("XDG_CACHE_HOME")))
     try:
         return msgspec.convert(tree, Config)
     except (msgspec.ValidationError, ValueError) as e:

@@ -72,9 +72,10 @@ class Sidecar:
     def catalog(self) -> Catalog:
         return self.pipeline.catalog
 
-    def with_catalog(self, catalog: Catalog) -> Sidecar:
-        """The same engine over `catalog`: only tools the index does not have are embedded."""
-        return Sidecar(self.cfg, self.pipeline.with_catalog(catalog), self.store, self.history)
+    def with_catalog(self, catalog: Catalog, persist: bool = True) -> Sidecar:
+        """The same engine over `catalog`: only tools the index does not have are embedded
+        (kept in the store unless not `persist`: a session's own tools leave nothing behind)."""
+        return Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history)
 
     def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None) -> list[Judgement]:
         """Gate every request (one batched embedding), then rank the tools for those that fired,

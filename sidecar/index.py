@@ -86,9 +86,11 @@ def primary_text(tool) -> str:
     return f"{words}: {description}" if description else words
 
 
-def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind: Kind, batch: int = 64) -> tuple[dict[str, np.ndarray], int]:
+def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind: Kind, batch: int = 64,
+                 persist: bool = True) -> tuple[dict[str, np.ndarray], int]:  # fmt: skip
     """Vectors of distinct texts, from the store's cache where it has them (keyed by the
-    model's identity and the exact text embedded); the rest embedded in batches and cached.
+    model's identity and the exact text embedded); the rest embedded in batches and cached
+    (unless not `persist`: a client's own tools are not kept past its session).
     Returns (text -> vector, how many were embedded)."""
     keys = {t: text_key(embedder.prefixed(t, kind)) for t in texts}
     cached = store.vectors(embedder.identity, set(keys.values())) if store else {}
@@ -97,7 +99,7 @@ def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind
         chunk = missing[lo : lo + batch]
         new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind).vectors)}
         cached.update(new)
-        if store:
+        if store and persist:
             store.put_vectors(embedder.identity, new)
     return {t: cached[k] for t, k in keys.items()}, len(missing)
 
@@ -188,8 +190,10 @@ class ToolIndex:
         strategy: Strategy,
         store: Store | None = None,
         previous: ToolIndex | None = None,
+        persist: bool = True,
     ) -> ToolIndex:
-        """Index a catalog, embedding only texts neither `previous` nor the store has."""
+        """Index a catalog, embedding only texts neither `previous` nor the store has; with
+        `persist`, what was embedded is kept in the store for the next start."""
         t0 = time.perf_counter()
         prev = previous.entries if previous is not None and previous.strategy == strategy else {}
         hashes = {tool.name: tool.content_hash for tool in catalog}
@@ -212,7 +216,7 @@ class ToolIndex:
                 derived = cases_mod.derive(tool)
                 plans[tool.name] = (hashes[tool.name], derived, strategy.render(tool, derived), primary_text(tool))
         wanted = list(dict.fromkeys(t for _, _, texts, p in plans.values() for t in [*texts, p]))
-        found, missing = embed_cached(embedder, store, wanted, "document")
+        found, missing = embed_cached(embedder, store, wanted, "document", persist=persist)
         entries: dict[str, _Entry] = {}
         new: list[_Entry] = []
         for tool in catalog:
@@ -224,7 +228,7 @@ class ToolIndex:
                 entries[tool.name] = stored[h]
             else:
                 entries[tool.name] = prev[tool.name]
-        if store is not None:
+        if store is not None and persist:
             _store_entries(store, embedder.identity, scheme, list({e.hash: e for e in new}.values()))
         read = [t.name for t in todo if t.name not in plans]  # read back from the store's rows
         from_rows = {t for name in read for t in [*entries[name].texts, entries[name].primary_text]}

@@ -119,12 +119,11 @@ class ResolvedModel(msgspec.Struct, frozen=True):
     spec: ModelSpec | None  # None for a GGUF file that is not a known model
 
 
-def models_dir() -> Path:
-    """$SIDECAR_MODELS_DIR, else $XDG_CACHE_HOME/sidecar/models, else ~/.cache/sidecar/models."""
-    if env := os.environ.get("SIDECAR_MODELS_DIR"):
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME")
-    base = Path(cache).expanduser() if cache else Path.home() / ".cache"
+def models_dir(cache_home: str | None = None) -> Path:
+    """Where models live when no dir is configured: <cache home>/sidecar/models, the cache home
+    being ~/.cache unless given (`config.load` gives $XDG_CACHE_HOME, and $SIDECAR_MODELS_DIR
+    overrides the whole path there: it alone reads the environment)."""
+    base = Path(cache_home).expanduser() if cache_home else Path.home() / ".cache"
     return base / "sidecar" / "models"
 
 

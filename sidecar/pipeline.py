@@ -122,22 +122,23 @@ class Pipeline:
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog)
 
-    def reindex(self, catalog: Catalog) -> dict[str, ToolIndex]:
-        """(Re)build one index per distinct strategy, embedding only what changed."""
+    def reindex(self, catalog: Catalog, persist: bool = True) -> dict[str, ToolIndex]:
+        """(Re)build one index per distinct strategy, embedding only what changed (and, with
+        `persist`, keeping it in the store)."""
         built: dict[str, ToolIndex] = {}
         for strategy in dict.fromkeys(self.strategies.values()):
             key = str(strategy)
-            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key))
+            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist)
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex(catalog, "bm25")
         return built
 
-    def with_catalog(self, catalog: Catalog) -> Pipeline:
+    def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:
         """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
         and store shared): its indexes reuse this one's unchanged tools and the store's
         embedding cache, so only new tool texts are embedded. This pipeline is untouched."""
         clone = copy.copy(self)
-        clone.reindex(catalog)  # rebinds the clone's indexes and catalog
+        clone.reindex(catalog, persist)  # rebinds the clone's indexes and catalog
         return clone
 
     def index_for(self, source: str) -> ToolIndex:

@@ -416,7 +416,7 @@ class SidecarServer:
         steps = [Catalog(known + fresh[:i], catalog.sources) for i in range(0, len(fresh), step)] + [catalog]
         engine = base
         for cat in steps:
-            engine = await loop.run_in_executor(self._worker, engine.with_catalog, cat)
+            engine = await loop.run_in_executor(self._worker, engine.with_catalog, cat, False)  # hello tools are not stored
         return engine
 
     # Evaluation -----------------------------------------------------------------------

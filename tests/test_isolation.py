@@ -329,3 +329,32 @@ def test_an_ack_waits_a_bounded_time_for_another_process_and_then_says_store_bus
     assert isinstance(again, p.Ack) and isinstance(third, p.Ack) and again.id == third.id
     assert tracebacks(caplog) == []
     assert any("not recorded" in r.getMessage() and "locked by another process" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hellos_own_tools_leave_nothing_in_the_store(small):
+    """Issue 13 I: a session's tool definitions are embedded for it, not kept: the embedding
+    cache and the stored index rows are what they were once it has its catalog."""
+    tag = uuid.uuid4().hex[:8]
+    tools = [{"name": f"brew_{tag}_{k}", "description": f"Brew a pot of {kind} tea at the right temperature ({tag}).",
+              "inputSchema": {"type": "object"}} for k, kind in enumerate(("green", "black", "oolong"))]  # fmt: skip
+
+    def counts() -> tuple[int, ...]:
+        return tuple(small.store.query(f"SELECT count(*) FROM {t}")[0][0] for t in ("embedding_cache", "index_rows"))
+
+    async def body():
+        async with serving(small) as srv, websockets.connect(srv.url) as ws:
+            before = counts()
+            await ws.send(json.dumps({"type": "hello", "session": "tea", "tools": tools}))
+            ready = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+            await ws.send(json.dumps({"type": "user", "stream": "u", "text": "Can you make oolong tea now?"}))
+            await ws.send(json.dumps({"type": "end", "stream": "u"}))
+            msgs = []
+            while not msgs or msgs[-1]["type"] != "ended":
+                msgs.append(json.loads(await asyncio.wait_for(ws.recv(), WAIT_S)))
+            return before, ready, msgs, counts()
+
+    before, ready, msgs, after = run(body())
+    assert ready["type"] == "ready" and tools[2]["name"] in ready["tools"]
+    injected = [t["definition"]["name"] for m in msgs if m["type"] == "inject" for t in m["tools"]]
+    assert injected and injected[0] == tools[2]["name"], msgs  # judged with them ...
+    assert after == before  # ... and nothing of them stored

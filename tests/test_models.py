@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sidecar import config as config_mod
 from sidecar import models
 from sidecar.embed import Embedder
 from tests.conftest import ROOT
@@ -196,16 +197,17 @@ def test_resolve_without_auto_pull_says_how_to_pull(tmp_path):
 
 
 def test_models_dir_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("SIDECAR_MODELS_DIR", str(tmp_path / "mine"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.models_dir() == tmp_path / "mine"
-    monkeypatch.delenv("SIDECAR_MODELS_DIR")
-    assert models.models_dir() == tmp_path / "xdg" / "sidecar" / "models"
-    monkeypatch.delenv("XDG_CACHE_HOME")
+    """Only config.load reads the environment; models_dir() is told the cache home."""
+    env = {"SIDECAR_MODELS_DIR": str(tmp_path / "mine"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert config_mod.load(env=env).model.dir == str(tmp_path / "mine")
+    del env["SIDECAR_MODELS_DIR"]
+    assert config_mod.load(env=env).model.dir == str(tmp_path / "xdg" / "sidecar" / "models")
+    assert models.models_dir(str(tmp_path / "xdg")) == tmp_path / "xdg" / "sidecar" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ignored"))  # not read outside config.load
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert models.models_dir() == tmp_path / "home" / ".cache" / "sidecar" / "models"
-    monkeypatch.setenv("SIDECAR_MODELS_DIR", "~/models")
-    assert models.models_dir() == tmp_path / "home" / "models"
+    dest = config_mod.load(env={"SIDECAR_MODELS_DIR": "~/models"}).model.dir
+    assert Path(dest).expanduser() == tmp_path / "home" / "models"  # resolve and pull expand it
 
 
 def test_cli_model_list_json_shows_the_pulled_model(minilm):
