@@ -46,7 +46,7 @@ class Factors(msgspec.Struct):
     popularity: float
     performance: float
     rating: float
-    semantic: float | None  # the query's best cosine with the tool's indexed texts
+    semantic: float | None  # the ranker's blend for the query (cosine, best case cosine, BM25): not a bounded cosine
     lexical: float | None  # BM25, relative to the best BM25 score of the query
     intent: float  # the intent adjustment's multiplier (1 = none)
     calls: int  # calls on record (under min_calls: priors stood in)
@@ -533,7 +533,7 @@ def _why(f: Factors, info: dict, w: S.Weights, cfg: RecommendConfig) -> str:
     rel = f"relevance {f.relevance:.2f}"
     made = []
     if f.semantic is not None:
-        made.append(f"cosine {f.semantic:.2f}")
+        made.append(f"match {f.semantic:.2f}")  # the ranker's blend (cosine, cases, BM25): not bounded by 1
     if f.lexical:
         made.append(f"bm25 {f.lexical:.2f}")
     if info.get("matched"):
