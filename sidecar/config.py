@@ -79,6 +79,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_frame_bytes: int = 1 << 20  # a larger frame closes the connection with 1009
     max_stream_chars: int = 512  # text buffered per stream; a longer clause is judged and cut
     max_streams: int = 64  # open streams per connection
+    closed_streams: int = 32  # ended streams a connection remembers (which tools each got), ~0.5 KB each
     max_connections: int = 256
     span_words: int = 12  # judge a clause after this many words with no boundary
     # A growing clause is judged again only when it gained content words (not for a trailing
@@ -129,7 +130,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "max_connections", "span_words",
+        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "span_words",
                     "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:

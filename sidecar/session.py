@@ -62,7 +62,7 @@ class Scope:
         return msgspec.structs.replace(self.asked, unavailable_servers=sorted({*self.asked.unavailable_servers, *down}))
 
 
-OFFERS_KEPT = 256  # injected tools a session remembers the ranking of, for feedback
+OFFERS_KEPT = 64  # injected tools a session remembers the ranking of, for feedback (~0.4 KB each)
 
 
 @dataclass(eq=False)
@@ -180,7 +180,7 @@ class Session:
 
     def _evict(self) -> None:
         """Forget the least recently used closed streams beyond a bound (open ones stay)."""
-        keep = 4 * self.limits.max_streams
+        keep = self.limits.max_streams + self.limits.closed_streams
         if len(self._streams) <= keep:
             return
         for sid in [s for s, st in self._streams.items() if st.segmenter is None][: len(self._streams) - keep]:

@@ -252,3 +252,20 @@ def test_clauses_of_a_stream_never_supersede_each_other_but_a_growing_clause_doe
         q.put(ev)
     assert [e.text for e in q.take(0.0)] == ["one two three four five six", "seven eight nine ten"]
     assert q.dropped["superseded"] == 2  # the 3-word spans of each clause, overtaken by longer ones
+
+
+def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes):
+    """Issue 13: what a long-lived connection keeps is bounded by the config, not by its age."""
+    from sidecar.session import OFFERS_KEPT
+
+    s = started(ServerConfig(max_streams=4, closed_streams=8), notes)
+    for i in range(500):
+        s.on_token(f"r{i}", "hello there", 0.0)
+        s.on_end(f"r{i}", 0.0)
+        s.remember_offer([f"tool{i}"], [f"tool{i}", "other"], f"span {i}")
+    assert len(s._streams) == 4 + 8 and len(s.offered) == OFFERS_KEPT
+    with pytest.raises(ProtocolError) as e:
+        s.on_token("r499", "more", 0.0)  # a recent ended stream is still known
+    assert e.value.code == "stream_ended"
+    s.on_token("r0", "more", 0.0)  # a forgotten one counts as new
+    assert "tool499" in s.offered and "tool0" not in s.offered
