@@ -12,11 +12,19 @@ times, client side, send to `inject`.
 Reports (--json: one object): the probe's p50/p99/max injection latency and misses (no
 inject within --probe-timeout), the server's RSS over time (sampled from /proc), messages
 and errors by kind, connections lost and their close codes, connect failures, and the
-dropped evaluations from /metrics. It stops by itself: the load ends after --seconds, every
-client closes, the server gets SIGTERM (then SIGKILL after a grace period).
+dropped evaluations from /metrics. `memory` breaks RSS down every --sample-every seconds:
+anonymous and file-backed parts (/proc/PID/smaps_rollup), threads, and from /metrics what
+glibc malloc holds (in use, freed but kept, arenas), SQLite's allocations, Python's
+allocated blocks, the stream states sessions remember and the query cache's entries; with
+start, +60 s, end and the slope over the last third (MB a minute) of RSS, anonymous memory
+and malloc's free bytes, to tell a bound being filled from a leak. --env sets variables in
+the server's environment (MALLOC_ARENA_MAX=2), --set config settings (server.closed_streams=8).
+It stops by itself: the load ends after --seconds, every client closes, the server gets
+SIGTERM (then SIGKILL after a grace period).
 
     .venv/bin/python bench/soak.py --json                                 # 1,000 connections, 600 s
     .venv/bin/python bench/soak.py --connections 200 --seconds 60 --json  # a quick run
+    .venv/bin/python bench/soak.py --connections 200 --seconds 420 --interval 1 --json  # memory: bounds fill in ~3 min
 """
 
 from __future__ import annotations
@@ -71,10 +79,10 @@ class Tally:
         self.connected = 0
 
 
-async def serve(store: pathlib.Path, config: pathlib.Path) -> tuple[asyncio.subprocess.Process, str]:
+async def serve(store: pathlib.Path, config: pathlib.Path, env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar", "serve", "--config", str(config), "--catalog", str(NOTES), "--store", str(store),
-        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, "SIDECAR_MODEL": models.SMALL_MODEL},
+        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, "SIDECAR_MODEL": models.SMALL_MODEL, **(env or {})},
     )  # fmt: skip
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -101,6 +109,49 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def memory(pid: int, url: str | None) -> dict[str, float]:
+    """One memory sample of the server, MB: RSS and its anonymous / file parts
+    (/proc/PID/smaps_rollup), threads, and what /metrics says glibc malloc and SQLite hold."""
+    out: dict[str, float] = {}
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Anonymous", "Pss_File"):
+                out[{"Rss": "rss", "Anonymous": "anon", "Pss_File": "file"}[key]] = round(int(rest.split()[0]) / 1024, 1)
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    except OSError:
+        return out
+    if url is not None:
+        try:
+            m = scrape(url)
+        except OSError:
+            return out
+        for name, key in (("sidecar_malloc_heap_bytes", "malloc_heap"), ("sidecar_malloc_in_use_bytes", "malloc_used"),
+                          ("sidecar_malloc_free_bytes", "malloc_free"), ("sidecar_sqlite_memory_bytes", "sqlite")):  # fmt: skip
+            if name in m:
+                out[key] = round(m[name] / 2**20, 2)
+        for name, key in (("sidecar_malloc_arenas", "arenas"), ("sidecar_query_cache_entries", "query_cache"),
+                          ("sidecar_session_streams", "streams"), ("sidecar_python_allocated_blocks", "py_blocks")):  # fmt: skip
+            if name in m:
+                out[key] = int(m[name])
+    return out
+
+
+def trend(samples: list[tuple[float, dict]], key: str = "rss") -> dict:
+    """start, +60 s, end and the slope over the last third (MB a minute, least squares) of
+    one sampled series: whether memory levels off."""
+    pts = [(t, m[key]) for t, m in samples if key in m]
+    if len(pts) < 3:
+        return {}
+    at_60 = min(pts, key=lambda p: abs(p[0] - 60))[1]
+    tail = [p for p in pts if p[0] >= pts[-1][0] * 2 / 3] or pts[-2:]
+    slope = statistics.linear_regression([t for t, _ in tail], [v for _, v in tail]).slope * 60 if len(tail) >= 2 else None
+    return {"start": pts[0][1], "at_60s": at_60, "end": pts[-1][1], "max": max(v for _, v in pts),
+            "last_third_mb_per_min": round(slope, 3) if slope is not None else None}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -218,14 +269,16 @@ async def probe(url: str, stop: float, args) -> dict:
 async def main(args) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-soak-"))
     config = tmp / "soak.toml"
-    config.write_text(f"[server]\nport = 0\nmax_connections = {args.connections + 16}\n")
+    config.write_text(toml(args.connections, args.set))
     t_start = time.monotonic()
-    proc, url = await serve(tmp / "soak.db", config)
+    proc, url = await serve(tmp / "soak.db", config, dict(kv.split("=", 1) for kv in args.env))
     tally = Tally()
     rss: list[tuple[float, float]] = []
+    mem: list[tuple[float, dict]] = []
     result: dict = {}
     try:
         rss.append((0.0, rss_mb(proc.pid)))
+        mem.append((0.0, memory(proc.pid, url)))
         stop = time.monotonic() + args.seconds
         rnd = random.Random(args.seed)
         workers = []
@@ -238,6 +291,7 @@ async def main(args) -> dict:
         while time.monotonic() < stop:
             await asyncio.sleep(min(args.sample_every, max(0.0, stop - time.monotonic())))
             rss.append((round(time.monotonic() - t0, 1), rss_mb(proc.pid)))
+            mem.append((rss[-1][0], await asyncio.to_thread(memory, proc.pid, url)))
         result["probe"] = await asyncio.wait_for(probing, args.probe_timeout + 30)
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 60)
         m = scrape(url)
@@ -264,9 +318,22 @@ async def main(args) -> dict:
         "rss_mb": {"start": round(values[0], 1) if values else None, "max": round(max(values), 1) if values else None,
                    "end": round(values[-1], 1) if values else None,
                    "samples": [[t, round(r, 1)] for t, r in rss if r is not None]},
+        "memory": {"rss": trend(mem), "anon": trend(mem, "anon"), "malloc_free": trend(mem, "malloc_free"),
+                   "samples": [{"t": t, **m} for t, m in mem]},
+        "env": args.env, "set": args.set,
         "server_exit": proc.returncode, "wall_s": round(time.monotonic() - t_start, 1),
     })  # fmt: skip
     return result
+
+
+def toml(connections: int, settings: list[str]) -> str:
+    """The server's config: port 0, max_connections raised to fit, and each SECTION.KEY=VALUE."""
+    tables: dict[str, list[str]] = {"server": ["port = 0", f"max_connections = {connections + 16}"]}
+    for item in settings:
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        tables.setdefault(section, []).append(f"{name} = {value}")
+    return "".join(f"[{t}]\n" + "\n".join(lines) + "\n" for t, lines in tables.items())
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -278,6 +345,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--probe-timeout", type=float, default=10.0)
     ap.add_argument("--sample-every", type=float, default=5.0, help="RSS sampling period, seconds")
     ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set in the server's environment (repeat), e.g. MALLOC_ARENA_MAX=2")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config setting (repeat), e.g. server.closed_streams=8 or index.query_cache=64")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.connections < 1 or args.seconds <= 0 or args.interval <= 0:
@@ -294,7 +365,7 @@ def cli(argv=None) -> int:
         pr = result["probe"]
         print(f"{result['connected']}/{args.connections} connected for {args.seconds:g} s; probe: {pr['injects']}/{pr['probes']} injected, "
               f"p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms, misses {pr['misses']}; RSS {result['rss_mb']['start']} -> "
-              f"{result['rss_mb']['max']} MB max; errors {result['client_errors']}; abnormal closes {result['closed_abnormally']}")  # fmt: skip
+              f"{result['rss_mb']['max']} MB max ({result['memory']['rss']}); errors {result['client_errors']}; abnormal closes {result['closed_abnormally']}")  # fmt: skip
     return 0
 
 

@@ -8,7 +8,9 @@ and `sidecar replay`:
   (`index.query_cache = 0`) and every longer span of a growing clause judged
   (`server.rejudge_unchanged = true`);
 - `default`: what ships (no key set);
-- `minilm`: what ships, with the small model.
+- `minilm`: what ships, with the small model;
+- `cascade`: the default model behind the MiniLM screen (`[cascade] screen`, with the shipped
+  `reject_below`): only the texts the screen does not settle reach nomic.
 
 For each, it starts `sidecar serve` on 127.0.0.1, opens N connections that each stream LLM
 replies word by word at R tokens/s for `--duration` seconds, and measures:
@@ -20,7 +22,9 @@ replies word by word at R tokens/s for `--duration` seconds, and measures:
   100% = one core);
 - evaluations dropped under load (`stale` and `overflow`; `superseded` spans are counted
   apart: their newer span, which contains them, is judged);
-- the work it skipped: query cache hits and spans of growing clauses not judged again.
+- the work it skipped: query cache hits and spans of growing clauses not judged again;
+- throughput: spans judged (every decision, settled or not) per CPU-second of the server, and
+  the share of the screened texts the cascade's screen settled.
 
 It searches (doubling, then bisecting, up to `--max-streams`) for the largest N whose p99 is
 at most `--target-ms` with nothing dropped: `capacity_streams`. Then it runs
@@ -78,9 +82,11 @@ CLAUSES_PER_REPLY = 5
 
 # name -> the TOML it runs with (catalogs, store and port come from the command line)
 CONFIGS = {
-    "baseline": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[index]\nquery_cache = 0\n[server]\nrejudge_unchanged = true\n',
+    "baseline": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[index]\nquery_cache = 0\n[server]\nrejudge_unchanged = true\n'
+                '[cascade]\nscreen = ""\n',
     "default": "",
     "minilm": f'[model]\nname = "{models.SMALL_MODEL}"\n',
+    "cascade": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[cascade]\nscreen = "{models.SMALL_MODEL}"\n',
 }
 
 
@@ -155,6 +161,10 @@ class Run:
         self.misses = 0.0
         self.unchanged = 0.0
         self.seconds = 0.0
+        self.judged = 0.0  # spans judged (sidecar_detections_total, every tier and path)
+        self.cpu_s = 0.0
+        self.settled = 0.0  # texts the cascade's screen settled / passed on
+        self.passed = 0.0
 
 
 def boundary_char(text: str, end: int) -> int:
@@ -247,6 +257,10 @@ async def load(url: str, n: int, work: Workload, args, token: str | None) -> Run
     run.hits = delta(after, before, "sidecar_query_cache_hits_total")
     run.misses = delta(after, before, "sidecar_query_cache_misses_total")
     run.unchanged = delta(after, before, "sidecar_spans_unchanged_total")
+    run.cpu_s = delta(after, before, "process_cpu_seconds_total")
+    run.judged = sum(delta(after, before, k) for k in after.keys() | before.keys() if k.startswith("sidecar_detections_total"))
+    run.settled = delta(after, before, 'sidecar_cascade_texts_total{outcome="settled"}')
+    run.passed = delta(after, before, 'sidecar_cascade_texts_total{outcome="passed"}')
     return run
 
 
@@ -274,6 +288,9 @@ class Summary:
         self.cache_hit_rate = sum(r.hits for r in runs) / judged if judged else 0.0
         self.unchanged = med(r.unchanged for r in runs)
         self.tokens = med(r.tokens for r in runs)
+        self.judged_per_cpu_s = med(r.judged / r.cpu_s if r.cpu_s else math.nan for r in runs)
+        screened = sum(r.settled + r.passed for r in runs)
+        self.settled_share = sum(r.settled for r in runs) / screened if screened else None
 
     def passes(self, target_ms: float) -> bool:
         return self.p99 <= target_ms and self.dropped == 0
@@ -282,7 +299,8 @@ class Summary:
         p99s = "/".join(f"{x:.0f}" for x in self.p99s)
         return (f"{self.n:>5} {self.p50:>8.1f} {self.p99:>8.1f} {self.srv_p50:>8.1f} {self.srv_p99:>8.1f} "
                 f"{self.cpu * 100:>6.0f}% {self.dropped:>7.0f} {self.superseded:>6.0f} {self.decisions:>9.0f} "
-                f"{self.cache_hit_rate:>6.1%} {self.unchanged:>9.0f} {self.lag_p99:>8.1f}   {p99s}")  # fmt: skip
+                f"{self.cache_hit_rate:>6.1%} {self.unchanged:>9.0f} {self.lag_p99:>8.1f} {self.judged_per_cpu_s:>12.1f} "
+                f"{'-' if self.settled_share is None else format(self.settled_share, '.1%'):>7}   {p99s}")  # fmt: skip
 
     def json(self) -> dict:
         r = _ms
@@ -290,7 +308,8 @@ class Summary:
                 "server_p99_ms": r(self.srv_p99), "cpu_pct": r(self.cpu * 100), "dropped": self.dropped,
                 "superseded": self.superseded, "decisions": self.decisions, "tokens": self.tokens,
                 "cache_hit_rate": round(self.cache_hit_rate, 4), "spans_unchanged": self.unchanged,
-                "lag_p99_ms": r(self.lag_p99)}  # fmt: skip
+                "lag_p99_ms": r(self.lag_p99), "judged_per_cpu_s": r(self.judged_per_cpu_s),
+                "settled_share": None if self.settled_share is None else round(self.settled_share, 4)}  # fmt: skip
 
 
 def _ms(x: float) -> float | None:
@@ -303,7 +322,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 HEADER = (f"{'N':>5} {'p50 ms':>8} {'p99 ms':>8} {'srv p50':>8} {'srv p99':>8} {'cpu':>7} {'dropped':>7} {'supers':>6} "
-          f"{'decisions':>9} {'cache':>6} {'unchanged':>9} {'lag p99':>8}   p99 per run")  # fmt: skip
+          f"{'decisions':>9} {'cache':>6} {'unchanged':>9} {'lag p99':>8} {'judged/cpu-s':>12} {'settled':>7}   p99 per run")  # fmt: skip
 
 
 async def measure(url: str, n: int, work: Workload, args, token: str | None) -> Summary:
@@ -416,7 +435,13 @@ def ratios(results: list[dict]) -> None:
             "p50_ms_at_first_n": _ratio(r1["p50_ms"], b1["p50_ms"]),
             "p99_ms_at_first_n": _ratio(r1["p99_ms"], b1["p99_ms"]),
             "cpu_pct_at_first_n": _ratio(r1["cpu_pct"], b1["cpu_pct"]),
+            "judged_per_cpu_s_at_first_n": _ratio(r1["judged_per_cpu_s"], b1["judged_per_cpu_s"]),
         }
+        # throughput at the largest N both measured (the search visits different Ns per config)
+        mine, theirs = {x["streams"]: x for x in r["runs"]}, {x["streams"]: x for x in base["runs"]}
+        if common := max(mine.keys() & theirs.keys(), default=None):
+            r["vs_baseline"]["judged_per_cpu_s_at_n"] = {"streams": common, "ratio": _ratio(mine[common]["judged_per_cpu_s"],
+                                                                                            theirs[common]["judged_per_cpu_s"])}  # fmt: skip
         if "replay" in r and "replay" in base:
             r["vs_baseline"]["precision_points"] = round(100 * (r["replay"]["precision"] - base["replay"]["precision"]), 1)
             r["vs_baseline"]["recall_points"] = round(100 * (r["replay"]["recall"] - base["replay"]["recall"]), 1)

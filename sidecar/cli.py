@@ -236,6 +236,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cascade(args: argparse.Namespace) -> int:
+    from . import cascade, evaluate
+    from .engine import Sidecar
+
+    cfg = _config(args, {("cascade", "screen"): args.screen})
+    if not cfg.cascade.screen:  # fitting a screen needs one: the small model unless told
+        cfg = msgspec.structs.replace(cfg, cascade=msgspec.structs.replace(cfg.cascade, screen=models.SMALL_MODEL))
+    if args.out_of_fold:
+        from . import catalog as catalog_mod
+        from .store import open_store
+
+        if args.reject_below is not None:
+            raise ValueError("--out-of-fold fits a cutoff: give it without --reject-below")
+        cat = catalog_mod.load(cfg.catalogs)
+        items = evaluate.read_labeled(args.labeled, cat)
+        say = None if args.json else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
+        fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
+        if args.json:
+            _print_json({"screen": cfg.cascade.screen, "main": cfg.model.name, "out_of_fold": True, "max_loss": args.max_loss, "cutoff": fit})
+        else:
+            print(cascade.describe_outcome(fit, f"fitted out of fold: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
+            print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
+        return 0
+    engine = Sidecar.open(cfg, progress=not args.json, history=False)
+    items = evaluate.read_labeled(args.labeled, engine.catalog)
+    with _progress_bar(2 * len(items), "judging with both models", not args.json) as bar:
+        report = cascade.measure(engine, items, args.max_loss, args.reject_below, bar.update)
+    if args.json:
+        _print_json(report)
+    else:
+        print(cascade.describe(report))
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from . import catalog as catalog_mod
     from . import store as store_mod
@@ -430,6 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("cascade", help="fit the cascade's cutoff: the screen probability under which a text is settled as no tool")
+    _common(p)
+    p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL labelled set: {"text", "expect": tool|[tools]|null, "source"}')
+    p.add_argument("--screen", metavar="NAME", help=f"the screen model (default: cascade.screen, else {models.SMALL_MODEL})")
+    p.add_argument("--max-loss", type=float, default=0.01, metavar="X",
+                   help="share of the positives the main model fires on that the cutoff may settle (default 0.01: one point)")
+    p.add_argument("--reject-below", type=float, metavar="P", help="report this cutoff instead of fitting one")
+    p.add_argument("--out-of-fold", action="store_true", help="the set the calibrations were fitted on: refit both gate heads as `tune` "
+                   "does and fit the cutoff on their out-of-fold probabilities (the shipped cutoff comes from the corpus's fit part so)")
+    p.add_argument("--json", action="store_true", help='print {"cutoff", "gate_main", "gate_cascade", "gate_screen", ...}')
+    p.set_defaults(func=cmd_cascade)
 
     p = sub.add_parser("tune", help="fit the ranker, the gate head and its thresholds on labelled data")
     _common(p)

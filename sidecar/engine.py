@@ -4,7 +4,9 @@ the websocket server and the MCP server run on.
 A text becomes an inject in exactly one place, `Sidecar.judge`: the pipeline's gate decides
 whether the text needs a tool; when it fired, the recommender ranks the tools on the vector the
 gate already made, with the history of the metrics store; `Judgement.inject` picks the tools
-that are handed to the model (the best one and those within `inject_margin` of it).
+that are handed to the model (the best one and those within `inject_margin` of it). With a
+cascade (`[cascade] screen`), a small screen model judges first and settles the clear "no tool"
+texts, so only the rest reach the main model (sidecar/cascade.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from . import cascade
 from .catalog import Catalog
 from .config import Config
-from .gate import Decision
+from .gate import Decision, Timing, screen
 from .metrics import MetricsStore, StringCaps
-from .pipeline import Pipeline, Request, from_config
+from .pipeline import Judged, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .store import Store, open_store
@@ -45,16 +48,30 @@ class Judgement(msgspec.Struct):
         return tools[0].tool if tools else None
 
 
+class CascadeStats:
+    """Texts the screen judged: settled as "no tool" or passed on to the main model. Shared by
+    an engine and the engines `with_catalog` derives from it, so /metrics counts them all."""
+
+    def __init__(self) -> None:
+        self.settled = 0
+        self.passed = 0
+
+
 class Sidecar:
     """The store, the model behind the pipeline, the call history and the recommender, built
-    once. `with_catalog` derives an engine for another catalog sharing all of them."""
+    once. `with_catalog` derives an engine for another catalog sharing all of them. `screen`:
+    the cascade's first stage (None: every text goes to the main pipeline)."""
 
-    def __init__(self, cfg: Config, pipeline: Pipeline, store: Store | None, history: MetricsStore | None):
+    def __init__(self, cfg: Config, pipeline: Pipeline, store: Store | None, history: MetricsStore | None,
+                 screen: Pipeline | None = None, stats: CascadeStats | None = None, persist: bool = True):  # fmt: skip
         self.cfg = cfg
         self.pipeline = pipeline
         self.store = store
         self.history = history
         self.recommender = Recommender(pipeline, history, cfg.recommend)
+        self.screen = screen
+        self.cascade_stats = stats or CascadeStats()
+        self._persist = persist
 
     @classmethod
     def open(cls, cfg: Config, *, catalog: Catalog | None = None, store: Store | None = None, progress: bool = True,
@@ -64,9 +81,10 @@ class Sidecar:
         (a caller that records calls before the model has loaded)."""
         store = store if store is not None else open_store(cfg.store)
         pipe = from_config(cfg, catalog=catalog, store=store, progress=progress)
+        first = cascade.screen_pipeline(cfg, pipe, progress)
         if history is True:
             history = open_history(cfg, store)
-        return cls(cfg, pipe, store, history or None)
+        return cls(cfg, pipe, store, history or None, first)
 
     @property
     def catalog(self) -> Catalog:
@@ -74,13 +92,42 @@ class Sidecar:
 
     def with_catalog(self, catalog: Catalog, persist: bool = True) -> Sidecar:
         """The same engine over `catalog`: only tools the index does not have are embedded
-        (kept in the store unless not `persist`: a session's own tools leave nothing behind)."""
-        return Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history)
+        (kept in the store unless not `persist`: a session's own tools leave nothing behind).
+        The screen, if any, follows it onto the same catalog."""
+        first = self.screen.with_catalog(catalog, persist) if self.screen is not None else None
+        return Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
+
+    def judge_batch(self, requests: Sequence[Request]) -> Judged:
+        """The gate's decisions (and query vectors) for every request: the main pipeline's, or
+        with a cascade, the screen's for the fallback-path texts it settles and the main
+        pipeline's for the rest (a settled text has no main-model vector: it did not fire)."""
+        if self.screen is None or not requests:
+            return self.pipeline.judge_batch(requests)
+        if self.screen.catalog is not self.pipeline.catalog:  # reindexed in place (live MCP servers)
+            self.screen.reindex(self.pipeline.catalog, self._persist)
+        pats = self.pipeline.patterns
+        asked = [i for i, r in enumerate(requests) if screen(r.text, r.source, pats).kind == "fallback"]
+        first = self.screen.judge_batch([requests[i] for i in asked]) if asked else Judged([], [])
+        decisions: list[Decision | None] = [None] * len(requests)
+        for i, d in zip(asked, first.decisions):
+            decisions[i] = cascade.settle(d, self.cfg.cascade.reject_below)
+        rest = [i for i, d in enumerate(decisions) if d is None]
+        main = self.pipeline.judge_batch([requests[i] for i in rest]) if rest else Judged([], [])
+        vectors: list[np.ndarray | None] = [None] * len(requests)
+        for i, d, v in zip(rest, main.decisions, main.vectors):
+            decisions[i], vectors[i] = d, v
+        for i, d in zip(asked, first.decisions):  # a text passed on also cost the screen's time
+            if decisions[i].path != cascade.SETTLED_PATH:
+                _add_time(decisions[i].timing_ms, d.timing_ms)
+        settled = len(requests) - len(rest)
+        self.cascade_stats.settled += settled
+        self.cascade_stats.passed += len(asked) - settled
+        return Judged(decisions, vectors)  # type: ignore[arg-type]
 
     def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None) -> list[Judgement]:
         """Gate every request (one batched embedding), then rank the tools for those that fired,
         each in its own context (who asks, what it may be offered)."""
-        judged = self.pipeline.judge_batch(requests)
+        judged = self.judge_batch(requests)
         top = top or self.cfg.server.max_inject_tools
         out = []
         for i, (r, d, vector) in enumerate(zip(requests, judged.decisions, judged.vectors)):
@@ -101,6 +148,13 @@ class Sidecar:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _add_time(to: Timing, extra: Timing) -> None:
+    to.regex += extra.regex
+    to.embed += extra.embed
+    to.cosine += extra.cosine
+    to.total = to.regex + to.embed + to.cosine
 
 
 def open_history(cfg: Config, store: Store) -> MetricsStore:

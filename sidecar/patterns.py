@@ -18,6 +18,18 @@ its first `MAX_SCREEN_CHARS` characters (about what the larger model reads: evid
 firing comes from the text that is embedded). A search cut off at its budget is counted per
 pattern set, logged once per pattern, and treated as its set says: a negative pattern that
 timed out blocks (fails closed), a high one counts as no match.
+
+The budget is measured by `regex` in CPU time of the whole process, not of the search
+(measured: a search timed out at 110 ms of process CPU having had 57 ms of its own while
+another thread hashed, and did not time out at all in a process stopped for longer than its
+budget). So other threads' work counts against it: llama.cpp's threads spin while they wait,
+the event loop runs beside them, and a short text that needs microseconds can find its
+budget spent while it waited for the GIL or a core, and be blocked for nothing. A search
+cut off having had less than `STARVED_SHARE` of its budget on its own thread's CPU was
+starved, not slow: it runs once more with `RETRY_FACTOR` times the budget, and only that
+run's timeout counts. A pathological pattern spends its budget on its own thread and is cut
+off at it, as before; starved as well, it costs at most 1 + `RETRY_FACTOR` budgets and still
+fails closed.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import pathlib
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -36,6 +49,8 @@ log = logging.getLogger("sidecar.patterns")
 MAX_SCREEN_CHARS = 8192  # what high patterns read of a text (nomic-embed reads 2,048 tokens, ~8k chars)
 BUDGET_CHARS = 2048  # the time budget covers this many characters; a longer text gets it pro rata ...
 MAX_BUDGET_FACTOR = 50  # ... up to this many times (1 s at the default 20 ms, for 100k characters)
+STARVED_SHARE = 0.5  # a search cut off with less than this share of its budget on its own thread was starved ...
+RETRY_FACTOR = 10  # ... and runs once more with this many times the budget
 
 SOURCES = ("user", "llm")
 BUILTIN = "sidecar.builtin_patterns"  # the project's patterns/ folder, installed as package data
@@ -75,6 +90,7 @@ class PatternSet:
         self.fail_closed = fail_closed
         self.max_chars = max_chars  # read only this head of a text (None: all of it)
         self.timeouts = 0  # searches abandoned at the budget, for /metrics
+        self.retries = 0  # searches run again because other threads spent their budget (see _search)
         self.timeouts_by_id: Counter[str] = Counter()
         self._logged: set[str] = set()
 
@@ -95,15 +111,32 @@ class PatternSet:
             if source not in p.sources:
                 continue
             try:
-                m = p.regex.search(text, timeout=budget)
-            except TimeoutError:
-                self._timed_out(p, len(text), budget)
+                m = self._search(p, text, budget)
+            except _CutOff as cut:
+                self._timed_out(p, len(text), cut.budget)
                 if self.fail_closed:
                     return Match(p.id, "", 0, 0, timed_out=True)
                 continue
             if m:
                 return Match(p.id, m.group(0), m.start(), m.end())
         return None
+
+    def _search(self, p: Pattern, text: str, budget: float) -> regex.Match | None:
+        """`p` searched within `budget` (of process CPU time); a search that other threads
+        starved (cut off before its own thread had `STARVED_SHARE` of the budget) gets one more
+        run at `RETRY_FACTOR` times it. _CutOff when the pattern itself took the time, or the
+        retry ran out too."""
+        cpu = time.thread_time()
+        try:
+            return p.regex.search(text, timeout=budget)
+        except TimeoutError:
+            if time.thread_time() - cpu >= STARVED_SHARE * budget:
+                raise _CutOff(budget) from None
+        self.retries += 1
+        try:
+            return p.regex.search(text, timeout=budget * RETRY_FACTOR)
+        except TimeoutError:
+            raise _CutOff(budget * RETRY_FACTOR) from None
 
     def _timed_out(self, p: Pattern, chars: int, budget: float) -> None:
         """Count it; say it once per pattern (a log line per text would flood the log)."""
@@ -112,9 +145,17 @@ class PatternSet:
         if p.id not in self._logged:
             self._logged.add(p.id)
             verdict = "treated as a match (blocks)" if self.fail_closed else "treated as no match"
-            log.warning("%s pattern %r (%s) hit its %.0f ms budget on a %d-char text: %s; "
+            log.warning("%s pattern %r (%s) was cut off at %.0f ms on a %d-char text: %s; "
                         "further timeouts of it are only counted (sidecar_regex_timeouts_total)",
                         self.name, p.id, p.origin, budget * 1000, chars, verdict)  # fmt: skip
+
+
+class _CutOff(TimeoutError):
+    """A search abandoned at `budget` seconds (its retry's budget, when it was starved)."""
+
+    def __init__(self, budget: float):
+        super().__init__(f"regex search cut off at {budget * 1000:.0f} ms")
+        self.budget = budget
 
 
 def parse(text: str, origin: str, lists: dict[str, list[str]] | None = None) -> tuple[list[Pattern], dict[str, list[str]]]:

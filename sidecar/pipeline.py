@@ -130,7 +130,7 @@ class Pipeline:
             key = str(strategy)
             built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist)
         self.indexes, self.catalog = built, catalog
-        self.lexical = LexicalIndex(catalog, "bm25")
+        self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
         return built
 
     def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:

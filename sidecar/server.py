@@ -65,7 +65,7 @@ from .session import (
     session_catalog,
 )
 from .store import Store
-from .telemetry import Metrics
+from .telemetry import Metrics, pin_mmap_threshold
 from .web import Web
 
 log = logging.getLogger("sidecar.server")
@@ -570,6 +570,7 @@ def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
 async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None) -> int:
     """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
     Returns the exit status (2 when the model or index cannot be loaded)."""
+    pin_mmap_threshold()  # a long-running process: big freed buffers go back to the OS (issue 13)
     server = SidecarServer(cfg, catalog=catalog, store=store, progress=True, mcp=mcp)
     await server.start()  # binds (so /healthz can say 503 while loading), then loads
     announce(f"loading {cfg.model.name}")

@@ -69,6 +69,9 @@ def text_key(text: str) -> str:
 
 
 BUSY_SLICE_MS = 50  # one attempt's wait for another process's write lock
+# SQLite's page cache, in KiB, of the store's one connection: what the store's reads may keep
+# in memory (SQLite's own default, said here so it stays one cache, not one per thread).
+PAGE_CACHE_KIB = 2000
 BUSY_TIMEOUT_MS = 10_000  # every other statement's wait (sqlite3's busy handler)
 
 
@@ -230,6 +233,7 @@ class SQLiteStore(Store):
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
             self._db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"cannot open store {self.path}: {e}") from None

@@ -8,11 +8,6 @@ log holds no traceback, and a second client keeps getting its injects throughout
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,7 +16,7 @@ from websockets.sync.client import connect
 
 from sidecar import protocol as p
 
-from .conftest import CATALOGS, ROOT
+from .conftest import CATALOGS, serve_process
 
 NOTES = CATALOGS / "notes.json"
 SMALL = "all-minilm-l6-v2"
@@ -67,26 +62,10 @@ frames = st.one_of(
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A real `sidecar serve` process; its log (stderr) in a file."""
+    """A real `sidecar serve` process; its log in a file."""
     tmp = tmp_path_factory.mktemp("fuzz")
-    log = open(tmp / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", SMALL, "--catalog", str(NOTES),
-         "--store", str(tmp / "fuzz.db")],
-        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
-    )  # fmt: skip
-    url, deadline = None, time.monotonic() + 120
-    while url is None and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-        if found := re.search(r"listening on (ws://\S+)", (tmp / "serve.log").read_text()):
-            url = found.group(1)
-    assert url, (tmp / "serve.log").read_text()
-    try:
-        yield url, tmp / "serve.log"
-    finally:
-        proc.terminate()
-        proc.wait(WAIT_S)
-        log.close()
+    with serve_process(["--model", SMALL, "--catalog", str(NOTES), "--store", str(tmp / "fuzz.db")], tmp) as server:
+        yield server.url, server.log
 
 
 def _exchange(ws, frame: str | bytes) -> list[p.ServerMessage]:

@@ -61,3 +61,23 @@ def test_stored_rows_are_per_model_and_strategy(embedder, cat, tmp_path):
     assert all(t.startswith(f"{n.replace('__', ' ')}: ") for n in other.names for t in other.entries[n].texts)  # "git git_log: ..."
     renamed = Embedder(embedder.path, name="other", identity="another-model", threads=1, max_tokens=embedder.max_tokens)
     assert ToolIndex.build(cat, renamed, BASE, Store(tmp_path / "s.db")).stats.stored == 0
+
+
+def test_few_queries_score_the_same_on_one_blas_thread_from_many_threads(embedder, cat, tmp_path):
+    """Query-time products run on one BLAS thread (index._one_blas_thread): same numbers as the
+    plain product, from several threads at once, and BLAS gets its threads back after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sidecar import index as index_mod
+
+    idx = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    q = embedder.embed(["show me the git log", "what time is it in Tokyo"]).vectors
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: idx.views(q), range(16)))
+    for cosine, cases in got:
+        assert np.array_equal(cosine, q @ idx.primary.T)
+        assert np.array_equal(cases, np.maximum.reduceat(q @ idx.matrix.T, idx.starts, axis=1))
+    assert index_mod._blas_users == 0
+    setter = index_mod._openblas_set_threads()
+    if setter is not None:  # numpy's own OpenBLAS (another BLAS is left alone)
+        assert setter[1]() == setter[2]

@@ -15,17 +15,14 @@ into failures the day they pass, so the list stays true.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 
 from sidecar import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
-from tests.conftest import CATALOGS, ROOT
-from tests.mcp_support import free_port, listening, run
+from tests.conftest import CATALOGS, serve_process
+from tests.mcp_support import run
 
 SERVERS = ("filesystem", "notes", "git", "time", "github", "fetch")
 WAIT_S = 30  # for the inject after a clause (the model thread is shared with other tests' processes)
@@ -68,37 +65,24 @@ REPLIES = [
 
 @pytest.fixture(scope="module", params=[models.SMALL_MODEL, models.DEFAULT_MODEL])
 def served(request, tmp_path_factory):
-    """(model, port) of a `sidecar serve` process over SERVERS' catalogs, loaded."""
+    """(model, ws URL) of a `sidecar serve` process over SERVERS' catalogs, loaded."""
     model = request.param
     tmp = tmp_path_factory.mktemp("narration")
-    port, log = free_port(), tmp / "serve.log"
     # Each clause judged whole (no growing spans, which a busy model thread may supersede or not)
     # and never stale on a loaded machine: the test is about what is judged, not how fast.
     (tmp / "sidecar.toml").write_text("[server]\nstale_ms = 600000\nspan_words = 10000\n")
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--model", model, "--store", str(tmp / "sidecar.db"), "--port", str(port),
-           "--config", str(tmp / "sidecar.toml")]  # fmt: skip
+    args = ["--model", model, "--store", str(tmp / "sidecar.db"), "--config", str(tmp / "sidecar.toml")]
     for server in SERVERS:
-        cmd += ["--catalog", str(CATALOGS / f"{server}.json")]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "SIDECAR_CONFIG": ""})
-    try:
-        run(listening(port, proc, log, timeout=300), timeout=310)
-        yield model, port
-    finally:
-        with contextlib.suppress(OSError):
-            proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        args += ["--catalog", str(CATALOGS / f"{server}.json")]
+    with serve_process(args, tmp, env={"SIDECAR_CONFIG": ""}, timeout=300) as served:
+        yield model, served.url
 
 
-async def inject_within_clause(port: int, reply: Reply, stream_id: str) -> tuple[p.Inject | None, list]:
+async def inject_within_clause(url: str, reply: Reply, stream_id: str) -> tuple[p.Inject | None, list]:
     """Stream up to the clause's end and the space after it; the first inject that arrives
     before anything more is sent, then the rest of the reply and every inject (or None and
     what did arrive)."""
-    async with await SidecarClient.connect(f"ws://127.0.0.1:{port}", session=f"narration-{stream_id}", wait_s=120, decisions=True) as sc:
+    async with await SidecarClient.connect(url, session=f"narration-{stream_id}", wait_s=120, decisions=True) as sc:
         head, tail = reply.text[: reply.end + 1], reply.text[reply.end + 1 :]
         for tok in tokens(head):
             await sc.token(stream_id, tok)
@@ -134,10 +118,10 @@ def bare(name: str) -> str:
 
 @pytest.mark.parametrize("reply", REPLIES, ids=[r.text.split(".")[0][:40] if r.start else r.text[:40] for r in REPLIES])
 def test_narration_fires_with_the_right_tool_before_its_clause_ends(served, reply, request):
-    model, port = served
+    model, url = served
     if model in reply.misses:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{model}: the built-in calibration does not fire on this narration with the right tool yet (issue 10)"))
-    first, seen = run(inject_within_clause(port, reply, "r"), timeout=WAIT_S * 3)
+    first, seen = run(inject_within_clause(url, reply, "r"), timeout=WAIT_S * 3)
     assert first is not None, f"no inject before anything after the clause was sent: {reply.text[reply.start:reply.end]!r}: {seen}"
     assert reply.start <= first.trigger.start and first.trigger.end <= reply.end, first.trigger  # decided on the clause itself
     assert bare(first.tools[0].definition["name"]) in reply.expect, [t.definition["name"] for t in first.tools]

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import re
+import pathlib
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from sidecar.metrics import MetricsStore
 from sidecar.store import Store, StoreBusy, StoreError, open_store
 from sidecar.store_pg import PgStore, display, pg_ddl
 
-from .conftest import CATALOGS, ROOT
+from .conftest import CATALOGS, ROOT, serve_processes
 from .pg_cluster import Cluster
 from .test_metrics import (  # noqa: F401  (the same tests, collected here again with this module's `ms`)
     Clock,
@@ -202,60 +201,9 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, BOUND_S))
 
 
-class Replica:
-    """A real `sidecar serve` (the small model, notes.json, 127.0.0.1, port 0) on `store`."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, lines: list[str]):
-        self.proc, self.url, self.lines = proc, url, lines
-
-    @classmethod
-    async def start(cls, store: str) -> Replica:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--port", "0", "--model", SMALL,
-            "--catalog", str(NOTES), "--store", store, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
-        )  # fmt: skip
-        lines: list[str] = []
-        for _ in range(50):
-            line = (await asyncio.wait_for(proc.stderr.readline(), WAIT_S)).decode()
-            lines.append(line)
-            if found := re.search(r"listening on (ws://\S+)", line):
-                replica = cls(proc, found.group(1), lines)
-                replica._drain = asyncio.create_task(replica._read(proc.stderr))
-                return replica
-            if not line:
-                break
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"sidecar serve did not start: {''.join(lines)}")
-
-    async def _read(self, stream) -> None:
-        while line := await stream.readline():
-            self.lines.append(line.decode())
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), WAIT_S)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        self._drain.cancel()
-
-
-@contextlib.asynccontextmanager
-async def replicas(store: str, n: int = 2):
-    started = await asyncio.gather(*(Replica.start(store) for _ in range(n)), return_exceptions=True)
-    try:
-        for r in started:
-            if isinstance(r, BaseException):
-                raise r
-        yield started
-    finally:
-        for r in started:
-            if isinstance(r, Replica):
-                await r.stop()
+def replicas(store: str, tmp: pathlib.Path, n: int = 2):
+    """`n` real `sidecar serve` processes (the small model, notes.json) on `store`, started at once."""
+    return serve_processes([["--model", SMALL, "--catalog", str(NOTES), "--store", store]] * n, tmp)
 
 
 def injected(msgs) -> list[str]:
@@ -285,9 +233,9 @@ async def fail(url: str, agent: str, n: int) -> list[p.Ack]:
         return [await sc.recv(WAIT_S) for _ in range(n)]
 
 
-def test_failures_recorded_through_one_replica_change_what_the_other_injects(pg_url):
+def test_failures_recorded_through_one_replica_change_what_the_other_injects(pg_url, tmp_path):
     async def body():
-        async with replicas(pg_url) as (a, b):
+        with replicas(pg_url, tmp_path) as (a, b):
             before = await ask(b.url, "dave", "before")
             acks = []
             for agent in ("mallory", "bob", "carol"):  # three distinct connections, all through A
@@ -307,11 +255,11 @@ def test_failures_recorded_through_one_replica_change_what_the_other_injects(pg_
     assert (tool["tool"], tool["call_count"], tool["failure_count"], tool["last_error"]) == ("create_note", 6, 6, "notes backend down")
 
 
-def test_a_kill_9_of_one_replica_loses_no_acknowledged_result_and_the_other_goes_on(pg_url):
+def test_a_kill_9_of_one_replica_loses_no_acknowledged_result_and_the_other_goes_on(pg_url, tmp_path):
     n = 300
 
     async def body():
-        async with replicas(pg_url) as (a, b):
+        with replicas(pg_url, tmp_path) as (a, b):
             acked: set[str] = set()
             sa = await SidecarClient.connect(a.url, session="to-a", wait_s=WAIT_S)
             sb = await SidecarClient.connect(b.url, session="to-b", wait_s=WAIT_S)
@@ -330,7 +278,7 @@ def test_a_kill_9_of_one_replica_loses_no_acknowledged_result_and_the_other_goes
                 for _ in range(n):
                     if isinstance(msg := await sa.recv(5), p.Ack):
                         acked.add(msg.ref)
-            assert await asyncio.wait_for(a.proc.wait(), WAIT_S) == -signal.SIGKILL
+            assert await asyncio.to_thread(a.proc.wait, WAIT_S) == -signal.SIGKILL
             for _ in range(n):  # B acknowledges every one of its own
                 msg = await sb.recv(WAIT_S)
                 b_acks += isinstance(msg, p.Ack)

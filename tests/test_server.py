@@ -33,7 +33,7 @@ from sidecar.server import SidecarServer
 from sidecar.store import Store
 from sidecar.stream import Segmenter
 
-from .conftest import CATALOGS, ROOT, engine_of
+from .conftest import CATALOGS, ROOT, engine_of, serve_process
 from .test_pipeline import _pipeline
 
 NOTES = CATALOGS / "notes.json"
@@ -462,10 +462,9 @@ def test_a_kill_9_loses_no_acknowledged_tool_result(tmp_path):
     n = 200
 
     async def body():
-        proc, url, _, drain = await _serve(tmp_path)
-        acked: set[str] = set()
-        try:
-            sc = await SidecarClient.connect(url, session="kill", wait_s=WAIT_S)
+        with serve_process(serve_args(tmp_path), tmp_path) as served:
+            acked: set[str] = set()
+            sc = await SidecarClient.connect(served.url, session="kill", wait_s=WAIT_S)
             for i in range(n):
                 await sc.tool_result("semantic_search" if i % 2 else "create_note", bool(i % 3), float(i), ref=f"k{i}")
             for _ in range(n):
@@ -473,18 +472,13 @@ def test_a_kill_9_loses_no_acknowledged_tool_result(tmp_path):
                 assert isinstance(msg, p.Ack), msg
                 acked.add(msg.ref)
                 if len(acked) == n // 2:
-                    proc.send_signal(signal.SIGKILL)  # mid-stream: later results may be lost, acked ones not
+                    served.proc.send_signal(signal.SIGKILL)  # mid-stream: later results may be lost, acked ones not
                     break
             with contextlib.suppress(ConnectionClosed, TimeoutError):
                 for _ in range(n):  # acks already on the wire before the kill count too
                     if isinstance(msg := await sc.recv(WAIT_S), p.Ack):
                         acked.add(msg.ref)
-            assert await asyncio.wait_for(proc.wait(), WAIT_S) == -signal.SIGKILL
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        drain.cancel()
+            assert await asyncio.to_thread(served.proc.wait, WAIT_S) == -signal.SIGKILL
         return acked
 
     acked = run(body())
@@ -630,6 +624,8 @@ def test_token_auth_and_origin_allowlist(small):
 
 
 async def _serve(tmp_path, *extra: str):
+    """Kept only for tests/test_hardening.py and tests/test_page.py, which import it: new tests
+    use conftest.serve_process (this copy goes once those two move to it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", SMALL, "--catalog", str(NOTES),
@@ -655,35 +651,34 @@ async def _drain(stream, lines: list[str]) -> None:
         lines.append(line.decode())
 
 
+def serve_args(tmp_path) -> list[str]:
+    """`sidecar serve` on the small model and notes.json, its store in tmp_path."""
+    return ["--model", SMALL, "--catalog", str(NOTES), "--store", str(tmp_path / "serve.db")]
+
+
 def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
     async def body():
-        proc, url, lines, drain = await _serve(tmp_path)
-        try:
-            a = await SidecarClient.connect(url, session="a", wait_s=WAIT_S)
-            b = await SidecarClient.connect(url, session="b", wait_s=WAIT_S)
+        with serve_process(serve_args(tmp_path), tmp_path) as served:
+            a = await SidecarClient.connect(served.url, session="a", wait_s=WAIT_S)
+            b = await SidecarClient.connect(served.url, session="b", wait_s=WAIT_S)
             await a.feedback("semantic_search", rating=1.0, ref="fb")
             assert (await until(a, lambda m: isinstance(m, p.Ack)))[-1].ref == "fb"
             for piece in tokens(SEARCH + " Ok"):
                 await b.token("r", piece)
             await b.ping()  # once answered, the server has read (and queued) every token
             seen = await until(b, lambda m: isinstance(m, p.Pong))
-            proc.send_signal(signal.SIGTERM)
+            served.proc.send_signal(signal.SIGTERM)
             with pytest.raises(ConnectionClosed):
                 for _ in range(100):
                     seen.append(await b.recv(WAIT_S))
             assert "semantic_search" in injected(seen)  # in-flight work finished and delivered
             await a.ws.wait_closed()
             assert (a.ws.close_code, b.ws.close_code) == (1001, 1001)
-            assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        await drain
-        return lines
+            assert await asyncio.to_thread(served.proc.wait, WAIT_S) == 0
+        return served.log_text()
 
-    lines = run(body())
-    assert any("shutting down" in line for line in lines), lines
+    log = run(body())
+    assert "shutting down" in log, log
     db = sqlite3.connect(tmp_path / "serve.db")
     try:
         assert db.execute("SELECT recommended, rating FROM feedback").fetchall() == [('["semantic_search"]', 1.0)]

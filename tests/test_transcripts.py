@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from sidecar import config as config_mod
 from sidecar import models, replay
 from sidecar.engine import Sidecar
 from sidecar.transcripts import TranscriptError, read_transcripts
-from tests.conftest import CATALOGS, ROOT
+from tests.conftest import CATALOGS, ROOT, serve_process
 
 FIXTURES = ROOT / "fixtures" / "transcripts"
 OPENAI = sorted((FIXTURES / "openai").iterdir())
@@ -216,25 +215,10 @@ def served(tmp_path_factory):
     go stale (a loaded machine would drop them by design, and the counts with them)."""
     tmp = tmp_path_factory.mktemp("served")
     (tmp / "serve.toml").write_text('[server]\ntoken = "s3cret"\nstale_ms = 600000\n')
-    log = open(tmp / "serve.log", "w+")
-    args = [a for f in CATALOG_FILES for a in ("--catalog", f)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--config", str(tmp / "serve.toml"), "--host", "127.0.0.1", "--port", "0",
-         "--model", models.SMALL_MODEL, *args, "--store", str(tmp / "serve.db")],
-        stderr=log, env={**{k: v for k, v in os.environ.items() if k != "SIDECAR_TOKEN"}, "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
-    )  # fmt: skip
-    url, deadline = None, time.monotonic() + WAIT_S
-    while url is None and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-        if found := re.search(r"listening on (ws://\S+)", (tmp / "serve.log").read_text()):
-            url = found.group(1)
-    assert url, (tmp / "serve.log").read_text()
-    try:
-        yield url, tmp
-    finally:
-        proc.terminate()
-        proc.wait(WAIT_S)
-        log.close()
+    args = ["--config", str(tmp / "serve.toml"), "--model", models.SMALL_MODEL,
+            *[a for f in CATALOG_FILES for a in ("--catalog", f)], "--store", str(tmp / "serve.db")]  # fmt: skip
+    with serve_process(args, tmp, env={"SIDECAR_TOKEN": None}, timeout=WAIT_S) as server:
+        yield server.url, tmp
 
 
 def _replay_url(url: str, tmp, token: str | None) -> subprocess.CompletedProcess:

@@ -106,7 +106,7 @@ class _State:
     def lexical(self) -> LexicalIndex:
         with self.lock:
             if self._lexical is None:
-                self._lexical = LexicalIndex(self.catalog, "bm25")
+                self._lexical = LexicalIndex.bm25_of(self.catalog)  # the pipeline's, built once
             return self._lexical
 
 
