@@ -1,6 +1,8 @@
 """The semantic index: every tool's rendered case texts as unit vectors, searched by cosine.
 
-A tool scores the maximum over its rows, so one well-phrased case is enough to match.
+A tool scores the maximum over its rows, so one well-phrased case is enough to match. When
+the catalog's tools carry their own `cases` (an intent catalog), the index also fits a softmax
+classifier over the tools on those rows (`learned.Classifier`): the ranker's fourth view.
 Rows of one tool are contiguous, which makes the per-tool maximum a single
 `np.maximum.reduceat` over the similarity matrix.
 
@@ -31,6 +33,7 @@ from . import cases as cases_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import Embedder, Kind
+from .learned import Classifier, fit_classifier
 from .store import Store, StoreBusy, text_key
 
 
@@ -207,8 +210,33 @@ def _one_blas_thread(queries: int):
                 set_threads(default)
 
 
+MIN_OWN_CASES = 5  # a tool with fewer own cases does not count towards a classifier
+OWN_CASES_SHARE = 0.8  # of the tools must have MIN_OWN_CASES for the index to fit one
+MAX_CLASSIFIER_TOOLS = 2000  # (dim, tools) weights and a fit in seconds; past it, no classifier
+_classifiers: dict[tuple, Classifier] = {}  # the last few fits, by model and rows (a reindex of an unchanged catalog refits nothing)
+
+
+def wants_classifier(catalog: Catalog) -> bool:
+    """Whether the catalog's own cases are enough to fit a classifier over its tools: most
+    tools carry MIN_OWN_CASES of their own (derived cases are one phrasing of a description,
+    nothing a classifier could learn from)."""
+    n = len(catalog)
+    own = sum(1 for t in catalog if t.cases and len(t.cases) >= MIN_OWN_CASES)
+    return 2 <= n <= MAX_CLASSIFIER_TOOLS and own >= OWN_CASES_SHARE * n
+
+
+def classifier_for(index: ToolIndex, model: str) -> Classifier:
+    """The softmax classifier over the index's tools, fitted on every tool's rows (memoised)."""
+    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in index.names))
+    if key not in _classifiers:
+        while len(_classifiers) >= 4:
+            _classifiers.pop(next(iter(_classifiers)))
+        _classifiers[key] = fit_classifier(index.matrix, index.row_tool, len(index.names))
+    return _classifiers[key]
+
+
 class ToolIndex:
-    def __init__(self, strategy: Strategy, entries: dict[str, _Entry], dim: int):
+    def __init__(self, strategy: Strategy, entries: dict[str, _Entry], dim: int, classifier: Classifier | None = None):
         self.strategy = strategy
         self.entries = entries
         self.names = list(entries)
@@ -228,6 +256,7 @@ class ToolIndex:
         prim = [entries[n].primary for n in self.names]
         self.primary = np.ascontiguousarray(np.vstack(prim) if prim else np.zeros((0, dim), np.float32), dtype=np.float32)
         self.stats: IndexStats | None = None
+        self.classifier = classifier  # None: the catalog has too few own cases (view is 0)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -283,6 +312,8 @@ class ToolIndex:
         read = [t.name for t in todo if t.name not in plans]  # read back from the store's rows
         from_rows = {t for name in read for t in [*entries[name].texts, entries[name].primary_text]}
         index = cls(strategy, entries, embedder.dim)
+        if wants_classifier(catalog):
+            index.classifier = classifier_for(index, embedder.identity)
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),
@@ -313,6 +344,14 @@ class ToolIndex:
         with _one_blas_thread(len(q)):
             primary = q @ self.primary.T
         return primary, self.tool_scores(q)
+
+    def logits(self, queries: np.ndarray) -> np.ndarray | None:
+        """(n_queries, n_tools): the classifier's logits, None without a classifier."""
+        if self.classifier is None:
+            return None
+        q = np.atleast_2d(queries)
+        with _one_blas_thread(len(q)):
+            return self.classifier.logits(q)
 
     def tool_scores(self, queries: np.ndarray) -> np.ndarray:
         """(n_queries, n_tools): each tool's best cosine over its rows."""

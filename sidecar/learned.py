@@ -1,6 +1,6 @@
 """What the gate and the ranking learn from labelled data: pure numpy, no model, no I/O.
 
-Two small fitted pieces, both saved in a calibration file:
+Three small fitted pieces; the first two are saved in a calibration file:
 
 * `Ranker`: a tool's score for a text is a fitted blend of three views of the tool — cosine
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
@@ -12,6 +12,11 @@ Two small fitted pieces, both saved in a calibration file:
   ranker's top score and margins, BM25, source, pattern path, and how close the text is to
   known tool requests and to known talk that needs no tool). Thresholds are then
   probabilities, on the same scale for every model.
+* `Classifier`: for a catalog whose tools carry their own example `cases`, a softmax
+  regression over the tools fitted on those cases' embeddings when the index is built (no
+  labelled data needed); its log-probability is the ranker's fourth view. Cases say what a
+  tool is asked for, and one shared softmax learns what tells neighbouring tools apart,
+  which the best single case cosine cannot.
 """
 
 from __future__ import annotations
@@ -21,26 +26,96 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-RANK_FEATURES = ("cosine", "lexical", "cases")
-GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high")
+RANK_FEATURES = ("cosine", "lexical", "cases", "classifier")
+GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
+                "classifier_top1")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
 
 
 class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Weights over RANK_FEATURES; the default is plain cosine with a little BM25."""
+    """Weights over RANK_FEATURES; the default is plain cosine with a little BM25. A
+    calibration written before the classifier view (three weights) still loads: a missing
+    weight is 0."""
 
-    weights: tuple[float, float, float] = (1.0, 0.1, 0.0)
+    weights: tuple[float, ...] = (1.0, 0.1, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.weights) <= len(RANK_FEATURES):
+            raise ValueError(f"ranker: {len(self.weights)} weights for {len(RANK_FEATURES)} views")
 
     def score(self, features: np.ndarray) -> np.ndarray:
-        """(n, tools, 3) -> (n, tools)."""
-        return features @ np.asarray(self.weights, np.float32)
+        """(n, tools, views) -> (n, tools)."""
+        w = np.zeros(features.shape[-1], np.float32)
+        k = min(len(self.weights), len(w))
+        w[:k] = self.weights[:k]
+        return features @ w
 
 
-def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Stack the three per-tool views, (n, tools) each; BM25 scaled to the text's best."""
+def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
+    """Stack the per-tool views, (n, tools) each; BM25 scaled to the text's best, the
+    classifier's `logits` as log-probabilities over the tools given (0 without a classifier)."""
     top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
     lexical = bm25 / np.maximum(top, 1e-9)
-    return np.stack([cosine, lexical, cases], axis=-1).astype(np.float32)
+    return np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1).astype(np.float32)
+
+
+CLASSIFIER_FLOOR = -10.0
+
+
+def classifier_view(logits: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """Log-softmax of the logits over the tools present, floored at CLASSIFIER_FLOOR (a tool
+    the classifier rules out is out; how far out says nothing more), zeros without logits."""
+    if logits is None or not logits.shape[1]:
+        return np.zeros(shape, np.float32)
+    z = logits - logits.max(axis=1, keepdims=True)
+    z = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return np.maximum(z, CLASSIFIER_FLOOR)
+
+
+class Classifier(msgspec.Struct, frozen=True):
+    """A softmax regression over a catalog's tools: logits = vectors @ coef + bias, one
+    (n, dim) @ (dim, tools) product per batch of texts (standardisation folded in)."""
+
+    coef: np.ndarray  # (dim, tools), float32
+    bias: np.ndarray  # (tools,)
+
+    def logits(self, vectors: np.ndarray) -> np.ndarray:
+        return np.atleast_2d(vectors) @ self.coef + self.bias
+
+
+CLASSIFIER_L2 = 1e-3
+CLASSIFIER_ITERS = 300
+
+
+def fit_classifier(x: np.ndarray, labels: np.ndarray, tools: int, l2: float = CLASSIFIER_L2, iters: int = CLASSIFIER_ITERS,
+                   lr: float = 0.05) -> Classifier:  # fmt: skip
+    """Multinomial logistic regression, full batch with Adam, on standardised vectors (unit
+    vectors' dimensions differ in spread; standardising lets one L2 fit every model). Seconds
+    for thousands of cases; the standardisation is folded into the weights."""
+    x = np.asarray(x, np.float32)
+    mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
+    z = (x - mu) / sd
+    n, dim = z.shape
+    y = np.zeros((n, tools), np.float32)
+    y[np.arange(n), labels] = 1.0
+    w = np.zeros((dim, tools), np.float32)
+    b = np.zeros(tools, np.float32)
+    params = [w, b]
+    m = [np.zeros_like(w), np.zeros_like(b)]
+    v = [np.zeros_like(w), np.zeros_like(b)]
+    for step in range(1, iters + 1):
+        s = z @ w + b
+        s -= s.max(axis=1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=1, keepdims=True)
+        g = (p - y) / n
+        grads = [z.T @ g + l2 * w, g.sum(axis=0)]
+        for k, (param, grad) in enumerate(zip(params, grads)):
+            m[k] = 0.9 * m[k] + 0.1 * grad
+            v[k] = 0.999 * v[k] + 0.001 * grad * grad
+            param -= lr * (m[k] / (1 - 0.9**step)) / (np.sqrt(v[k] / (1 - 0.999**step)) + 1e-8)
+    coef = (w / sd[:, None]).astype(np.float32)
+    return Classifier(coef, (b - (mu / sd) @ w).astype(np.float32))
 
 
 def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float = 1e-4, iters: int = 400, lr: float = 0.5) -> Ranker:
@@ -51,7 +126,9 @@ def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float
     y = np.zeros((n, tools), np.float32)
     for r, expected in enumerate(targets):
         y[r, list(expected)] = 1.0 / len(expected)
-    w = TEMPERATURE * np.asarray(Ranker().weights, np.float64)
+    w = np.zeros(k)
+    start = Ranker().weights[:k]
+    w[: len(start)] = TEMPERATURE * np.asarray(start, np.float64)
     m = np.zeros(k)
     v = np.zeros(k)
     for step in range(1, iters + 1):
@@ -93,8 +170,10 @@ class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         n = len(self.coef)
-        if len(self.mean) != n or len(self.scale) != n or n != len(GATE_SCALARS) + self.exemplars.dim:
+        if len(self.mean) != n or len(self.scale) != n or n != len(self.features) + self.exemplars.dim:
             raise ValueError("gate head: weights do not match the feature count")
+        if unknown := set(self.features) - set(GATE_SCALARS):
+            raise ValueError(f"gate head: unknown features {sorted(unknown)}")
 
     def probability(self, x: np.ndarray) -> np.ndarray:
         z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
@@ -122,8 +201,11 @@ def gate_features(
     vectors: np.ndarray,
     near_tool: np.ndarray,
     near_none: np.ndarray,
+    classifier: np.ndarray | None = None,
+    names: Sequence[str] = GATE_SCALARS,
 ) -> np.ndarray:
-    """Per text: GATE_SCALARS then the embedding. `scores` (n, tools) are the ranker's."""
+    """Per text: the scalars `names` (a head fitted before a scalar existed names fewer) then
+    the embedding. `scores` (n, tools) are the ranker's, `classifier` its log-probability view."""
     n = len(vectors)
     if scores.shape[1]:
         top = -np.sort(-scores, axis=1)[:, :5]
@@ -132,12 +214,14 @@ def gate_features(
         scal = [top1, top1 - second, top1 - top.mean(axis=1), cosine.max(axis=1), cases.max(axis=1), np.log1p(bm25.max(axis=1))]
     else:
         scal = [np.zeros(n)] * 6
-    scal += [llm, near_tool, near_none, near_tool - near_none, high]
-    return np.hstack([np.stack(scal, axis=1), vectors]).astype(np.float64)
+    clf = np.exp(classifier.max(axis=1)) if classifier is not None and classifier.shape[1] and classifier.any() else np.zeros(n)
+    scal += [llm, near_tool, near_none, near_tool - near_none, high, clf]
+    by_name = dict(zip(GATE_SCALARS, scal))
+    return np.hstack([np.stack([by_name[k] for k in names], axis=1), vectors]).astype(np.float64)
 
 
 def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 100.0,
-                  iters: int = 600, lr: float = 0.5) -> GateHead:  # fmt: skip
+                  iters: int = 600, lr: float = 0.5, features: Sequence[str] = GATE_SCALARS) -> GateHead:  # fmt: skip
     """L2-regularised logistic regression by gradient descent on standardised features. The
     embedding's many weights get a much stronger penalty than the few catalog-independent
     scalars: what a labelled corpus's topics say about "needs a tool" does not carry to
@@ -145,9 +229,9 @@ def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float 
     mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
     z = (x - mu) / sd
     w, b, n = np.zeros(x.shape[1]), 0.0, len(y)
-    l2 = np.where(np.arange(x.shape[1]) < len(GATE_SCALARS), l2, l2_embedding)
+    l2 = np.where(np.arange(x.shape[1]) < len(features), l2, l2_embedding)
     for _ in range(iters):
         p = 1.0 / (1.0 + np.exp(-(z @ w + b)))
         w -= lr * (z.T @ (p - y) / n + l2 * w / n)
         b -= lr * float((p - y).mean())
-    return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars)
+    return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars, list(features))

@@ -28,7 +28,7 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
-from .learned import GateHead, Ranker, gate_features, nearest, rank_features
+from .learned import GATE_SCALARS, GateHead, Ranker, classifier_view, gate_features, nearest, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, open_store
@@ -164,10 +164,13 @@ class Pipeline:
                 continue
             index = self.index_for(source)
             cosine, cases = index.views(vectors[rows])
+            logits = index.logits(vectors[rows])
             lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
-            scores = self.ranker.score(rank_features(cosine, lex, cases))
+            features = rank_features(cosine, lex, cases, logits)
+            scores = self.ranker.score(features)
             for j, i in enumerate(rows):
-                out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1])
+                out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
+                               None if logits is None else logits[j : j + 1])  # fmt: skip
         return out  # type: ignore[return-value]
 
     @staticmethod
@@ -237,13 +240,15 @@ class Pipeline:
         self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
 
     def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens,
-                    exemplars: tuple[np.ndarray, np.ndarray] | None, exclude_self: bool = False) -> np.ndarray:  # fmt: skip
+                    exemplars: tuple[np.ndarray, np.ndarray] | None, exclude_self: bool = False,
+                    names: Sequence[str] | None = None) -> np.ndarray:  # fmt: skip
         """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
         a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
         tool_ex, none_ex = exemplars if exemplars is not None else (np.zeros((0, vectors.shape[1]), np.float32),) * 2
+        cosine = np.vstack([v.cosine for v in views])
         return gate_features(
             np.vstack([v.scores for v in views]),
-            np.vstack([v.cosine for v in views]),
+            cosine,
             np.vstack([v.cases for v in views]),
             np.vstack([v.bm25 for v in views]),
             np.array([r.source == "llm" for r in requests], float),
@@ -251,6 +256,8 @@ class Pipeline:
             vectors,
             nearest(vectors, tool_ex, exclude_self),
             nearest(vectors, none_ex, exclude_self),
+            np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
+            names or (self.head.features if self.head is not None else GATE_SCALARS),
         )
 
 
@@ -262,6 +269,7 @@ class Views(msgspec.Struct):
     cosine: np.ndarray
     cases: np.ndarray
     bm25: np.ndarray
+    logits: np.ndarray | None = None  # the index's classifier, if it has one
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

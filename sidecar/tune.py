@@ -302,7 +302,7 @@ def fit(
     views = pipe.views(requests, q)
     position = {n: k for k, n in enumerate(pipe.index_for("user").names)}
     ranked = [k for k, i in enumerate(fit_items) if i.positive]
-    features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases)[0] for k in ranked])
+    features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases, views[k].logits)[0] for k in ranked])
     say(f"fitting the ranker on {len(ranked)} tool requests")
     ranker = fit_ranker(features, [[position[t] for t in fit_items[k].expected] for k in ranked])
     pipe.ranker = ranker
@@ -311,7 +311,7 @@ def fit(
     live = np.array([not s.blocked for s in screens])
     tools = [v.index.names[int(np.argmax(v.scores[0]))] for v in views]  # each text's best tool
     exemplars = _exemplars(q, pos, seed)
-    x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True)
+    x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True, names=GATE_SCALARS)
     y = pos.astype(float)
     # Each text once more against a smaller catalog (a random part of its servers): users
     # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
@@ -323,8 +323,8 @@ def fit(
     for f in range(FOLDS):
         train, test = live & (folds != f), live & (folds == f)
         if train.sum() and test.sum():
-            oof[test] = fit_gate_head(*both(train), exemplars, l2, l2_embedding).probability(x[test])
-    head = fit_gate_head(*both(live), exemplars, l2, l2_embedding)
+            oof[test] = fit_gate_head(*both(train), exemplars, l2, l2_embedding, features=GATE_SCALARS).probability(x[test])
+    head = fit_gate_head(*both(live), exemplars, l2, l2_embedding, features=GATE_SCALARS)
     scores = GateScores(
         path=[s.kind for s in screens],
         score=oof.tolist(),
@@ -372,8 +372,9 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars
         v = views[k]
         cosine, bm25 = v.cosine[:, mask], lexicals[key].scores(requests[k].text)[None, :]
         cases = v.cases[:, mask]
-        part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases)), cosine, cases, bm25)
-        x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], known, exclude_self=True)[0]
+        logits = None if v.logits is None else v.logits[:, mask]  # renormalised over the part by rank_features
+        part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
+        x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], known, exclude_self=True, names=GATE_SCALARS)[0]
     return x, np.asarray([i.positive for i in items], float)
 
 
@@ -410,7 +411,7 @@ def describe(f: Fitted) -> str:
     c, t, h, r = f.calibration, f.calibration.thresholds, f.heldout, f.calibration.ranker
     return "\n".join([
         f"{c.model}{' +task-prefixes' if c.task_prefixes else ''}: fitted on {f.fit_items} items in {f.seconds:.0f} s, objective {f.objective}",
-        f"  ranker weights: cosine {r.weights[0]:.3f}, bm25 {r.weights[1]:.3f}, cases {r.weights[2]:.3f}",
+        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier"), r.weights)),
         f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
         f"  out-of-fold on the fit part: TP {f.fit.tp_rate:.1%}, FP {f.fit.fp_rate:.1%}, accuracy {f.fit.accuracy:.1%}, right tool {f.fit.correct_rate:.1%}",
     ] + ([

@@ -1,0 +1,105 @@
+"""The ranker's classifier view: a softmax over the tools fitted on a catalog's own cases, on
+the real small model and a real SQLite store; absent for catalogs without own cases; and
+calibrations written before it (three ranker weights, eleven gate scalars) still load."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from sidecar import calibration, learned, models, pipeline
+from sidecar.gate import screen
+from sidecar import config as config_mod
+from sidecar.pipeline import Request
+from sidecar.store import Store
+from tests.conftest import CATALOGS
+
+INTENTS = {
+    "check_balance": ["what is my balance", "how much money do I have", "show my account balance",
+                      "tell me my current balance", "how much is in my checking account", "balance please"],
+    "lost_card": ["I lost my card", "my card was stolen", "I can't find my debit card",
+                  "someone took my credit card", "report a missing card", "my wallet with my card is gone"],
+    "change_pin": ["change my PIN", "I want a new PIN code", "how do I reset my PIN",
+                   "update the PIN on my card", "set a different PIN", "my PIN needs changing"],
+    "exchange_rate": ["what is the euro to dollar rate", "exchange rate for yen", "how many pounds for 100 dollars",
+                      "currency conversion rate today", "what rate do you give for francs", "dollar to peso rate"],
+    "transfer_money": ["send money to my brother", "transfer 50 dollars to savings", "wire funds to another bank",
+                       "move money between my accounts", "pay my friend back 20 euros", "make a bank transfer"],
+}  # fmt: skip
+HELD_BACK = [  # paraphrases that are none of the cases
+    ("how much cash is left on my account?", "check_balance"),
+    ("my bank card has disappeared", "lost_card"),
+    ("can I choose another PIN for my debit card", "change_pin"),
+    ("what's the conversion from euros into dollars", "exchange_rate"),
+    ("please send 30 pounds to my mum", "transfer_money"),
+]
+
+
+def _pipeline(tmp_path, catalog_path) -> pipeline.Pipeline:
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(catalog_path)]})
+    return pipeline.from_config(cfg, store=Store(tmp_path / "sidecar.db"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def intents(tmp_path_factory) -> pipeline.Pipeline:
+    d = tmp_path_factory.mktemp("intents")
+    tools = [{"name": n, "description": n.replace("_", " "), "inputSchema": {"type": "object"}, "cases": c} for n, c in INTENTS.items()]
+    (d / "bank.json").write_text(json.dumps({"server": "bank", "tools": tools}))
+    return _pipeline(d, d / "bank.json")
+
+
+def test_a_catalog_with_own_cases_gets_a_classifier_that_ranks_held_back_paraphrases(intents):
+    index = intents.index_for("user")
+    assert index.classifier is not None and index.classifier.coef.shape == (index.dim, len(INTENTS))
+    requests = [Request(t) for t, _ in HELD_BACK]
+    vectors = intents.embedder.embed([t for t, _ in HELD_BACK], "query").vectors
+    views = intents.views(requests, vectors)
+    for (_, want), v in zip(HELD_BACK, views):
+        assert v.logits is not None
+        assert index.names[int(np.argmax(v.logits[0]))] == want
+        lp = learned.classifier_view(v.logits, v.cosine.shape)
+        assert lp.max() <= 0 and np.exp(lp).sum() == pytest.approx(1.0, abs=1e-3)  # log-probabilities over the tools
+    # what the gate head sees: the classifier's max probability, one scalar among the others
+    screens = [screen(r.text, r.source, intents.patterns) for r in requests]
+    x = intents.gate_inputs(requests, vectors, views, screens, None, names=learned.GATE_SCALARS)
+    clf = x[:, learned.GATE_SCALARS.index("classifier_top1")]
+    assert np.all(clf > 1 / len(INTENTS))
+
+
+def test_a_catalog_without_own_cases_gets_no_classifier_and_a_zero_view(tmp_path):
+    pipe = _pipeline(tmp_path, CATALOGS / "notes.json")
+    assert pipe.index_for("user").classifier is None
+    vectors = pipe.embedder.embed(["take a note about the meeting"], "query").vectors
+    (v,) = pipe.views([Request("take a note about the meeting")], vectors)
+    assert v.logits is None
+    features = learned.rank_features(v.cosine, v.bm25, v.cases, v.logits)
+    assert features.shape[-1] == len(learned.RANK_FEATURES) and not features[..., 3].any()
+
+
+def test_a_calibration_from_before_the_classifier_still_loads_and_scores_the_same():
+    cal = calibration.builtin(models.SMALL_MODEL)  # three ranker weights, eleven gate scalars
+    assert len(cal.ranker.weights) == 3 and "classifier_top1" not in cal.head.features
+    rng = np.random.default_rng(1)
+    f = rng.normal(size=(4, 7, len(learned.RANK_FEATURES))).astype(np.float32)
+    assert np.allclose(cal.ranker.score(f), f[..., :3] @ np.asarray(cal.ranker.weights, np.float32))
+    doc = json.loads(msgspec.json.encode(cal.ranker))
+    assert msgspec.json.decode(json.dumps(doc), type=learned.Ranker) == cal.ranker
+    with pytest.raises(msgspec.ValidationError, match="weights"):
+        msgspec.json.decode(json.dumps({"weights": [1, 0, 0, 0, 0]}), type=learned.Ranker)
+
+
+def test_fit_classifier_separates_clusters_with_standardisation_folded_in():
+    rng = np.random.default_rng(0)
+    tools, per, dim = 6, 20, 16
+    centres = rng.normal(size=(tools, dim))
+    labels = np.repeat(np.arange(tools), per)
+    x = centres[labels] + 0.6 * rng.normal(size=(tools * per, dim))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    clf = learned.fit_classifier(x, labels, tools, iters=200)
+    test = centres + 0.6 * rng.normal(size=(tools, dim))
+    test /= np.linalg.norm(test, axis=1, keepdims=True)
+    assert (clf.logits(test).argmax(axis=1) == np.arange(tools)).mean() >= 5 / 6
+    assert (clf.logits(x).argmax(axis=1) == labels).mean() > 0.95
