@@ -24,7 +24,7 @@ SIGTERM (then SIGKILL after a grace period).
 
     .venv/bin/python bench/soak.py --json                                 # 1,000 connections, 600 s
     .venv/bin/python bench/soak.py --connections 200 --seconds 60 --json  # a quick run
-    .venv/bin/python bench/soak.py --connections 200 --seconds 420 --interval 1 --json  # memory: bounds fill in ~3 min
+    .venv/bin/python bench/soak.py --connections 200 --seconds 420 --interval 1 --json  # memory: the per-connection bounds fill in ~90 s
 """
 
 from __future__ import annotations

@@ -179,8 +179,10 @@ class Session:
         return state
 
     def _evict(self) -> None:
-        """Forget the least recently used closed streams beyond a bound (open ones stay)."""
-        keep = self.limits.max_streams + self.limits.closed_streams
+        """Forget the least recently used closed streams beyond `closed_streams` of them (open
+        ones stay, and never count against it: a connection with nothing open keeps
+        `closed_streams` states, not `max_streams` more)."""
+        keep = self._open + self.limits.closed_streams
         if len(self._streams) <= keep:
             return
         for sid in [s for s, st in self._streams.items() if st.segmenter is None][: len(self._streams) - keep]:

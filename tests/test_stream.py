@@ -263,9 +263,14 @@ def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes)
         s.on_token(f"r{i}", "hello there", 0.0)
         s.on_end(f"r{i}", 0.0)
         s.remember_offer([f"tool{i}"], [f"tool{i}", "other"], f"span {i}")
-    assert len(s._streams) == 4 + 8 and len(s.offered) == OFFERS_KEPT
+    assert len(s._streams) == 8 and len(s.offered) == OFFERS_KEPT  # nothing open: closed_streams, not max_streams more
     with pytest.raises(ProtocolError) as e:
         s.on_token("r499", "more", 0.0)  # a recent ended stream is still known
     assert e.value.code == "stream_ended"
     s.on_token("r0", "more", 0.0)  # a forgotten one counts as new
     assert "tool499" in s.offered and "tool0" not in s.offered
+    for i in range(3):  # open streams stay, beside closed_streams ended ones
+        s.on_token(f"open{i}", "still talking", 0.0)
+    for i in range(20):
+        s.on_user(f"u{i}", "hi", 0.0)
+    assert len(s._streams) == 4 + 8 and all(sid in s._streams for sid in ("r0", "open0", "open1", "open2"))  # r0 reopened above
