@@ -294,14 +294,20 @@ class ToolIndex:
             if hashes[tool.name] not in stored:
                 derived = cases_mod.derive(tool)
                 plans[tool.name] = (hashes[tool.name], derived, strategy.render(tool, derived), primary_text(tool))
-        wanted = list(dict.fromkeys(t for _, _, texts, p in plans.values() for t in [*texts, p]))
+        # A tool's own cases are example requests, so they are embedded as queries are (with
+        # nomic: "search_query: "); derived phrases and the primary text stay documents.
+        asked = {t.name for t in todo if t.name in plans and t.cases}
+        as_query = list(dict.fromkeys(t for name in asked for t in plans[name][2]))
+        wanted = list(dict.fromkeys(t for name, (_, _, texts, p) in plans.items() for t in [*([] if name in asked else texts), p]))
         found, missing = embed_cached(embedder, store, wanted, "document", persist=persist)
+        found_q, missing_q = embed_cached(embedder, store, as_query, "query", persist=persist) if as_query else ({}, 0)
         entries: dict[str, _Entry] = {}
         new: list[_Entry] = []
         for tool in catalog:
             if tool.name in plans:
                 h, derived, texts, prim = plans[tool.name]
-                entries[tool.name] = _Entry(h, derived, texts, np.vstack([found[t] for t in texts]), found[prim], prim)
+                rows = found_q if tool.name in asked else found
+                entries[tool.name] = _Entry(h, derived, texts, np.vstack([rows[t] for t in texts]), found[prim], prim)
                 new.append(entries[tool.name])
             elif (h := hashes[tool.name]) in stored:
                 entries[tool.name] = stored[h]
@@ -317,8 +323,8 @@ class ToolIndex:
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),
-            embedded=missing,
-            cached=len(set(wanted) | from_rows) - missing,
+            embedded=missing + missing_q,
+            cached=len(set(wanted) | from_rows) + len(as_query) - missing - missing_q,
             stored=len(read),
             added=added,
             updated=updated,
