@@ -268,7 +268,9 @@ class SidecarServer:
             catalog = self.catalog
             if catalog is None and self.mcp is not None and not self.cfg.catalogs:
                 catalog = Catalog([])  # the live servers' tools alone
-            return Sidecar.open(self.cfg, catalog=catalog, store=self.store, progress=self.progress)
+            engine = Sidecar.open(self.cfg, catalog=catalog, store=self.store, progress=self.progress)
+            engine.recommender.prepare()  # before "listening on", not on the first user's request
+            return engine
 
         try:
             if self.mcp is None:

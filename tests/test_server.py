@@ -549,6 +549,8 @@ def test_healthz_is_503_until_the_model_is_loaded_then_200(tmp_path):
             release.set()
             await server.loaded.wait()
             assert server.load_error is None
+            state = server.engine.recommender._state  # derived while loading, not on the first request
+            assert state is not None and state.catalog is server.engine.catalog
             status, _, text = await http_get(server.port, "/healthz")
             assert (status, text) == (200, "ok\n")
             metrics = parse_metrics((await http_get(server.port, "/metrics"))[2])

@@ -17,9 +17,9 @@ import regex
 
 from ..catalog import Tool
 from ..lexical import STOPWORDS
+from ..lexical import words as lexical_words
 
 _WORD = regex.compile(r"[\p{L}\p{N}]+")
-_CAMEL = regex.compile(r"(?<=\p{Ll})(?=\p{Lu})")
 
 IRREGULAR = {
     "written": "write", "wrote": "write", "got": "get", "gotten": "get", "made": "make", "found": "find",
@@ -60,9 +60,9 @@ def stem(word: str) -> str:
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased words with snake_case, kebab-case and camelCase split."""
-    text = _CAMEL.sub(" ", text).replace("_", " ")
-    return [m.lower() for m in _WORD.findall(text)]
+    """Lower-cased words with snake_case, kebab-case and camelCase split (the lexical index's
+    words, so both read a tool the same way)."""
+    return [w.lower() for w in lexical_words(text)]
 
 
 def stems(words_: Iterable[str]) -> frozenset[str]:

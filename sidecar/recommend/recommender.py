@@ -478,6 +478,11 @@ class Recommender:
 
     # --- catalog-derived state -------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Derive the catalog's state now rather than on the first recommendation (a server
+        at start: 10,000 tools take ~1 s, which the first user would otherwise wait for)."""
+        self._current_state()
+
     def _current_state(self) -> _State:
         """The derived state of the pipeline's current catalog; a reindex (a new catalog
         object) rebuilds it and so invalidates the cache entries made under the old one."""
