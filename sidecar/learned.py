@@ -2,10 +2,11 @@
 
 Three small fitted pieces; the first two are saved in a calibration file:
 
-* `Ranker`: a tool's score for a text is a fitted blend of three views of the tool — cosine
+* `Ranker`: a tool's score for a text is a fitted blend of views of the tool — cosine
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
   when the catalog has them, else derived ones), and BM25 over name + description scaled by
-  the text's best BM25 — fitted with a listwise softmax so the expected tool comes first.
+  the text's best BM25, and the `Classifier`'s log-probability where the catalog has one —
+  fitted with a listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.
 * `GateHead`: the probability that a text needs a tool: logistic regression (standardised,
   L2) on the text's embedding and on features that mean the same for any catalog (the
