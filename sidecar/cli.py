@@ -126,7 +126,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     path = cfg.store
     store = open_store(cfg.store)
     listing = MetricsStore(store, cfg.recommend.metrics_retention_days).listing(
-        server=args.server, tool=args.tool, failing=args.failing, threshold=cfg.recommend.failing_threshold)
+        server=args.server, tool=args.tool, failing=args.failing, threshold=cfg.recommend.failing_threshold,
+        min_calls=cfg.recommend.min_calls)
     if args.json:
         _print_json(listing)
         return 0
@@ -435,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--tool", metavar="T", help="one tool (its name, or server__tool)")
     p.add_argument("--server", metavar="S", help="one server's tools")
-    p.add_argument("--failing", action="store_true", help="only tools whose success rate is under recommend.failing_threshold (3+ calls)")
+    p.add_argument("--failing", action="store_true", help="only tools whose success rate is under recommend.failing_threshold, over recommend.min_calls calls or more")
     p.add_argument("--json", action="store_true", help='print {"tools": [{"server", "tool", "call_count", ...}]}')
     p.set_defaults(func=cmd_metrics)
 

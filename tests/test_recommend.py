@@ -301,6 +301,9 @@ def test_cli_metrics_reads_what_the_store_recorded(tmp_path):
     assert by[("fs", "read_file")]["avg_latency_ms"] == 25.0 and by[("fs", "write_file")]["last_error"] == "EACCES"
     failing = json.loads(_cli("metrics", "--failing", "--json", store=store).stdout)
     assert [t["tool"] for t in failing["tools"]] == ["write_file"]
+    (tmp_path / "five.toml").write_text("[recommend]\nmin_calls = 5\n")  # write_file has 4 calls: too few to judge
+    few = _cli("metrics", "--failing", "--json", "--config", str(tmp_path / "five.toml"), store=store)
+    assert few.returncode == 0 and json.loads(few.stdout)["tools"] == [], few.stderr
     one = json.loads(_cli("metrics", "--tool", "fs__read_file", "--json", store=store).stdout)
     assert [t["call_count"] for t in one["tools"]] == [4]
     srv = json.loads(_cli("metrics", "--server", "web", "--json", store=store).stdout)
