@@ -99,6 +99,10 @@ class _Live(Collector):
         cascade.add_metric(("settled",), stats.settled if stats is not None else 0)
         cascade.add_metric(("passed",), stats.passed if stats is not None else 0)
         yield cascade
+        down = CounterMetricFamily("sidecar_history_unavailable", "Rankings made on neutral history because the metrics store "
+                                   "could not be read (fail open).")  # fmt: skip
+        down.add_metric((), s.engine.recommender.history_errors if s.engine is not None else 0)
+        yield down
         # Python's heap (pymalloc maps its small-object arenas itself: malloc's figures miss it)
         yield _gauge("sidecar_python_allocated_blocks", "Blocks Python's allocator holds (sys.getallocatedblocks).",
                      sys.getallocatedblocks())  # fmt: skip

@@ -27,7 +27,7 @@ import pytest
 from sidecar import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
-from sidecar.metrics import MetricsStore
+from sidecar.metrics import MetricsStore, key_of
 from sidecar.store import Store, StoreBusy, StoreError, open_store
 from sidecar.store_pg import PgStore, display, pg_ddl
 
@@ -338,3 +338,35 @@ def test_a_store_whose_connections_were_cut_carries_on(pg_url):
     m = ms.tool("fs", "read_file")
     assert (m.call_count, m.failure_count) == (2, 1)
     assert rows(pg_url, "SELECT call_id FROM tool_calls ORDER BY id") == [("before",), ("after",)]
+
+
+def test_rankings_go_on_with_neutral_history_while_the_database_is_down(tmp_path):
+    """Fail open: with the shared database gone (a server of its own here, stopped mid-test),
+    a fired text still gets its tools, ranked on neutral history, and the outage is counted;
+    nothing ranked blind is cached, so history counts again once the database is back."""
+    from sidecar import config as config_mod
+    from sidecar.engine import Sidecar
+    from sidecar.recommend import Recommender
+
+    cluster = Cluster()
+    try:
+        history = MetricsStore(open_store(cluster.new_database()))
+        cfg = config_mod.load(env={}, overrides={("model", "name"): SMALL, ("catalogs",): [str(NOTES)],
+                                                 ("store",): str(tmp_path / "index.db")})  # fmt: skip
+        engine = Sidecar.open(cfg, progress=False, history=False)  # the index in SQLite: only the history is remote
+        failing = "create_note"
+        for _ in range(6):
+            history.record_call(*key_of(engine.catalog, failing), False, 5.0, "EIO")
+        rec = Recommender(engine.pipeline, history, cfg.recommend)
+        query = "save this meeting summary as a new note"
+        up = rec.recommend(query, top=10)
+        assert failing in up.excluded and failing not in [r.tool for r in up.results]  # its server fails while the database is up
+        assert rec.history_errors == 0
+        cluster.stop()
+        down = rec.recommend(query + " please", top=10)
+        assert down.results and rec.history_errors > 0
+        assert {r.tool: r.factors.success for r in down.results}[failing] > 0.0  # neutral: as if never called
+        assert not down.cached and rec.recommend(query + " please", top=10).cached is False  # a blind ranking is not kept
+        assert rec.fallbacks(failing)  # stand-ins for a failed tool too
+    finally:
+        cluster.stop()

@@ -13,6 +13,7 @@ gathers the facts (vectors, metrics, clock) and hands them over.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -27,6 +28,7 @@ from ..config import RecommendConfig
 from ..lexical import LexicalIndex
 from ..metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
+from ..store import StoreError
 from . import filters as F
 from . import intent as I
 from . import scoring as S
@@ -110,6 +112,9 @@ class _State:
             return self._lexical
 
 
+log = logging.getLogger("sidecar.recommend")
+
+
 class Recommender:
     """`recommend()` ranks; `fallbacks()` suggests stand-ins for a failed tool. Thread-safe:
     the server may call it from its executor while the event loop records calls."""
@@ -123,6 +128,8 @@ class Recommender:
         self._cache: collections.OrderedDict[tuple, tuple[float, int, object, Recommendations]] = collections.OrderedDict()
         self._history: tuple[int, dict] | None = None
         self._lock = threading.Lock()
+        self.history_errors = 0  # rankings made on neutral history because the store could not be read
+        self._said_down = 0.0
 
     # --- public ------------------------------------------------------------------------
 
@@ -156,7 +163,7 @@ class Recommender:
         if not query.strip():
             raise ValueError("no query to recommend for")
         state = self._current_state()
-        generation = self.metrics.generation() if self.metrics is not None else 0
+        generation = self._generation()
         variant, w = (None, weights) if weights is not None else self.weights_for(ctx.agent)
         key = (query, mode, top, variant, msgspec.json.encode(ctx))
         now = self.clock()
@@ -172,7 +179,7 @@ class Recommender:
         res = self._rank(state, query, ctx, top, mode, w, query_vector, generation, now)
         res.variant = variant
         res.timing_ms = (time.perf_counter() - t0) * 1000
-        if weights is None and self.cfg.cache_ttl_s > 0:
+        if weights is None and self.cfg.cache_ttl_s > 0 and generation is not None:  # a blind ranking is not kept
             with self._lock:
                 self._cache[key] = (now, generation, state.catalog, res)
                 while len(self._cache) > self.cfg.cache_size:
@@ -185,7 +192,7 @@ class Recommender:
         tuning replays feedback through."""
         ctx = context or F.Context()
         state = self._current_state()
-        generation = self.metrics.generation() if self.metrics is not None else 0
+        generation = self._generation()
         extra = [state.pos[n] for n in names if n in state.pos]
         scored = self._score(state, query, ctx, mode or self.cfg.mode, generation, self.clock(), extra=extra, filtered=False)
         out = np.full((len(names), len(S.FACTORS)), np.nan)
@@ -262,7 +269,7 @@ class Recommender:
             out.append(Recommendation(state.names[i], round(score, 4), _why(f, info, w, self.cfg), f))
         return Recommendations(query, out, mode, candidates=len(rows), excluded=scored["excluded"])
 
-    def _score(self, state: _State, query: str, ctx: F.Context, mode: str, generation: int, now: float,
+    def _score(self, state: _State, query: str, ctx: F.Context, mode: str, generation: int | None, now: float,
                query_vector=None, extra: Sequence[int] = (), filtered: bool = True) -> dict:  # fmt: skip
         """Retrieve candidates and compute every candidate's five factor values."""
         n = len(state.tools)
@@ -414,6 +421,13 @@ class Recommender:
         weights, 0.40 of the score at the defaults)."""
         if self.metrics is None:
             return F.Facts()
+        try:
+            return self._read_facts(ctx)
+        except StoreError as e:
+            self._store_down(e)
+            return F.Facts()
+
+    def _read_facts(self, ctx: F.Context) -> F.Facts:
         cfg = self.cfg
         recent = self.metrics.recent(cfg.availability_window_s)
         reporters = self.metrics.failure_reporters(cfg.availability_window_s)
@@ -438,6 +452,13 @@ class Recommender:
         generation (and agent)."""
         if self.metrics is None:
             return {"totals": {}, "ratings": {}, "agent": {}}
+        try:
+            return self._read_history(agent)
+        except StoreError as e:
+            self._store_down(e)
+            return {"totals": {}, "ratings": {}, "agent": {}}
+
+    def _read_history(self, agent: str | None) -> dict:
         gen = self.metrics.generation()
         with self._lock:
             if self._history is not None and self._history[0] == gen:
@@ -457,6 +478,31 @@ class Recommender:
                 snap["agents"][agent] = per
             out["agent"] = per
         return out
+
+    def _generation(self) -> int | None:
+        """The store's generation (what cached rankings are keyed on); None when it cannot
+        be read, so nothing ranked meanwhile is cached."""
+        if self.metrics is None:
+            return 0
+        try:
+            return self.metrics.generation()
+        except StoreError as e:
+            self._store_down(e)
+            return None
+
+    def _store_down(self, e: StoreError) -> None:
+        """Fail open: a store that cannot be read (a database down or locked past its bound)
+        leaves rankings on neutral history, as for tools never called, instead of failing
+        the injection. Counted (sidecar_history_unavailable_total) and logged at most once
+        a minute."""
+        now = time.monotonic()
+        with self._lock:
+            self.history_errors += 1
+            say = now - self._said_down >= 60.0
+            if say:
+                self._said_down = now
+        if say:
+            log.warning("tool history unavailable, ranking on neutral history: %s", e)
 
     def _tool_history(self, state: _State, i: int, hist: dict) -> S.History:
         key = state.keys[i]
