@@ -245,10 +245,9 @@ class Pipeline:
         """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
         a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
         tool_ex, none_ex = exemplars if exemplars is not None else (np.zeros((0, vectors.shape[1]), np.float32),) * 2
-        cosine = np.vstack([v.cosine for v in views])
         return gate_features(
             np.vstack([v.scores for v in views]),
-            cosine,
+            np.vstack([v.cosine for v in views]),
             np.vstack([v.cases for v in views]),
             np.vstack([v.bm25 for v in views]),
             np.array([r.source == "llm" for r in requests], float),

@@ -9,7 +9,6 @@ boost tools whose names carry the intended action and penalise the ones that con
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable
 
 import msgspec

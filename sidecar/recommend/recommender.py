@@ -421,11 +421,7 @@ class Recommender:
         weights, 0.40 of the score at the defaults)."""
         if self.metrics is None:
             return F.Facts()
-        try:
-            return self._read_facts(ctx)
-        except StoreError as e:
-            self._store_down(e)
-            return F.Facts()
+        return self._fail_open(lambda: self._read_facts(ctx), F.Facts())
 
     def _read_facts(self, ctx: F.Context) -> F.Facts:
         cfg = self.cfg
@@ -450,13 +446,8 @@ class Recommender:
     def _history_for(self, agent: str | None) -> dict:
         """Lifetime totals, ratings and the agent's own record, read once per metrics
         generation (and agent)."""
-        if self.metrics is None:
-            return {"totals": {}, "ratings": {}, "agent": {}}
-        try:
-            return self._read_history(agent)
-        except StoreError as e:
-            self._store_down(e)
-            return {"totals": {}, "ratings": {}, "agent": {}}
+        neutral = {"totals": {}, "ratings": {}, "agent": {}}
+        return neutral if self.metrics is None else self._fail_open(lambda: self._read_history(agent), neutral)
 
     def _read_history(self, agent: str | None) -> dict:
         gen = self.metrics.generation()
@@ -482,19 +473,17 @@ class Recommender:
     def _generation(self) -> int | None:
         """The store's generation (what cached rankings are keyed on); None when it cannot
         be read, so nothing ranked meanwhile is cached."""
-        if self.metrics is None:
-            return 0
-        try:
-            return self.metrics.generation()
-        except StoreError as e:
-            self._store_down(e)
-            return None
+        return 0 if self.metrics is None else self._fail_open(self.metrics.generation, None)
 
-    def _store_down(self, e: StoreError) -> None:
-        """Fail open: a store that cannot be read (a database down or locked past its bound)
-        leaves rankings on neutral history, as for tools never called, instead of failing
-        the injection. Counted (sidecar_history_unavailable_total) and logged at most once
-        a minute."""
+    def _fail_open(self, read, neutral):
+        """`read()`, or `neutral` when the store cannot be read (a database down or locked
+        past its bound): rankings go on with neutral history, as for tools never called,
+        instead of failing the injection. Counted (sidecar_history_unavailable_total) and
+        logged at most once a minute."""
+        try:
+            return read()
+        except StoreError as e:
+            error = e
         now = time.monotonic()
         with self._lock:
             self.history_errors += 1
@@ -502,7 +491,8 @@ class Recommender:
             if say:
                 self._said_down = now
         if say:
-            log.warning("tool history unavailable, ranking on neutral history: %s", e)
+            log.warning("tool history unavailable, ranking on neutral history: %s", error)
+        return neutral
 
     def _tool_history(self, state: _State, i: int, hist: dict) -> S.History:
         key = state.keys[i]
