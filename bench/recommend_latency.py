@@ -1,7 +1,8 @@
 """Recommendation at 100, 1,000 and 10,000 tools: index build (cold), start from the store
 (warm), recommendation latency; and ranking quality with and without a failure history.
 
-    .venv/bin/python bench/recommend_latency.py [--model all-minilm-l6-v2] [--sizes 100,1000,10000] [--warm-runs 3] [--json]
+    .venv/bin/python bench/recommend_latency.py [--model all-minilm-l6-v2] [--sizes 100,1000,10000] [--warm-runs 3]
+                                                [--bulk-threads N] [--json]
 
 Scale: catalogs are synthesised from the 462 real tools of fixtures/catalogs/ALL.json. The
 first copy is the real catalog; every further copy of a tool lives on its own server
@@ -116,8 +117,11 @@ def synthesise(base: Catalog, size: int) -> Catalog:
     return Catalog(tools, [f"synthetic:{size}"])
 
 
+BULK_THREADS: int | None = None  # --bulk-threads: llama.cpp threads of a cold build (default: every core)
+
+
 def load_pipeline(model: str, catalog: Catalog, store: Store) -> pipeline.Pipeline:
-    cfg = config_mod.load(env={}, overrides={("model", "name"): model})
+    cfg = config_mod.load(env={}, overrides={("model", "name"): model, ("model", "bulk_threads"): BULK_THREADS})
     return pipeline.from_config(cfg, catalog=catalog, store=store, progress=False)
 
 
@@ -227,9 +231,12 @@ def main() -> None:
     ap.add_argument("--quality-model", action="append", help="models for the quality part (default: small and default)")
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bulk-threads", type=int, help="threads of a cold build ([model] bulk_threads; default every core)")
     ap.add_argument("--warm-runs", type=int, default=3, help="restarts measured per size (the median is reported)")
     ap.add_argument("--json", action="store_true", help="print a JSON list, one object per size; no quality part")
     args = ap.parse_args()
+    global BULK_THREADS
+    BULK_THREADS = args.bulk_threads
     base = catalog_mod.load([ALL])
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-bench-"))
     results = []

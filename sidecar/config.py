@@ -28,6 +28,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str = models.DEFAULT_MODEL
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
+    bulk_threads: int | None = None  # threads for index builds and tunes of 256+ texts (default: every core)
     task_prefixes: Literal["auto", "on", "off"] = "auto"  # auto: the model's measured default
     pull: bool = True  # provision a known model (or quantise its variant) on first use
 
@@ -232,6 +233,7 @@ ENV = {
     "SIDECAR_MODEL": ("model", "name"),
     "SIDECAR_MODELS_DIR": ("model", "dir"),
     "SIDECAR_THREADS": ("model", "threads"),
+    "SIDECAR_BULK_THREADS": ("model", "bulk_threads"),
     "SIDECAR_STORE": ("store",),
     "SIDECAR_CALIBRATION": ("calibration",),
     "SIDECAR_PATTERNS": ("gate", "patterns"),
@@ -239,7 +241,7 @@ ENV = {
     "SIDECAR_PORT": ("server", "port"),
     "SIDECAR_TOKEN": ("server", "token"),
 }
-_INTEGERS = ("threads", "port")  # env values converted when they are digits
+_INTEGERS = ("threads", "bulk_threads", "port")  # env values converted when they are digits
 
 
 def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:

@@ -32,7 +32,7 @@ from . import __version__
 from . import cases as cases_mod
 from .cases import Strategy
 from .catalog import Catalog
-from .embed import Embedder, Kind
+from .embed import BULK_TEXTS, Embedder, Kind
 from .learned import Classifier, fit_classifier
 from .store import Store, StoreBusy, text_key
 
@@ -98,13 +98,15 @@ def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind
     """Vectors of distinct texts, from the store's cache where it has them (keyed by the
     model's identity and the exact text embedded); the rest embedded in batches and cached
     (unless not `persist`: a client's own tools are not kept past its session).
-    Returns (text -> vector, how many were embedded)."""
+    Returns (text -> vector, how many were embedded). A job of BULK_TEXTS or more runs on the
+    embedder's bulk threads (every core)."""
     keys = {t: text_key(embedder.prefixed(t, kind)) for t in texts}
     cached = store.vectors(embedder.identity, set(keys.values())) if store else {}
     missing = [t for t in keys if keys[t] not in cached]
+    bulk = len(missing) >= BULK_TEXTS
     for lo in range(0, len(missing), batch):
         chunk = missing[lo : lo + batch]
-        new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind).vectors)}
+        new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind, bulk).vectors)}
         cached.update(new)
         if store and persist:
             store.put_vectors(embedder.identity, new)

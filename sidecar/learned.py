@@ -23,6 +23,7 @@ Three small fitted pieces; the first two are saved in a calibration file:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -144,21 +145,36 @@ def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float
     return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
 
 
+class Known(NamedTuple):
+    """Decoded exemplars: unit vectors, and for each whether its text took a high pattern's
+    path (None: a calibration fitted before paths were recorded)."""
+
+    tool: np.ndarray
+    none: np.ndarray
+    tool_high: np.ndarray | None = None
+    none_high: np.ndarray | None = None
+
+
 class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Unit vectors of labelled texts (float16 bytes): tool requests and talk needing none."""
+    """Unit vectors of labelled texts (float16 bytes): tool requests and talk needing none,
+    with each one's gate path (packed bits: took a high pattern's path)."""
 
     dim: int
     tool: bytes
     none: bytes
+    tool_high: bytes = b""
+    none_high: bytes = b""
 
     @classmethod
-    def of(cls, tool: np.ndarray, none: np.ndarray) -> Exemplars:
-        return cls(int(tool.shape[1]), tool.astype(np.float16).tobytes(), none.astype(np.float16).tobytes())
+    def of(cls, tool: np.ndarray, none: np.ndarray, tool_high: np.ndarray | None = None, none_high: np.ndarray | None = None) -> Exemplars:
+        bits = lambda h: np.packbits(np.asarray(h, bool)).tobytes() if h is not None else b""  # noqa: E731
+        return cls(int(tool.shape[1]), tool.astype(np.float16).tobytes(), none.astype(np.float16).tobytes(), bits(tool_high), bits(none_high))
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(self) -> Known:
         t = np.frombuffer(self.tool, np.float16).reshape(-1, self.dim).astype(np.float32)
         n = np.frombuffer(self.none, np.float16).reshape(-1, self.dim).astype(np.float32)
-        return t, n
+        bits = lambda b, k: np.unpackbits(np.frombuffer(b, np.uint8))[:k].astype(bool) if b else None  # noqa: E731
+        return Known(t, n, bits(self.tool_high, len(t)), bits(self.none_high, len(n)))
 
 
 class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -181,14 +197,23 @@ class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.bias)))
 
 
-def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False) -> np.ndarray:
+def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,
+            exemplar_high: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Each vector's best cosine to the exemplars; with `exclude_self`, identical vectors
-    (the text itself, when it is one of them) do not count."""
+    (the text itself, when it is one of them) do not count. Given both paths (`high` per
+    vector, `exemplar_high` per exemplar), only exemplars on the vector's own path count,
+    where that path has any: "I'll save it to a new file" is told apart from other texts
+    that announce an action, not from "I've saved it", which a sentence embedding hardly
+    tells from it and which took the other path."""
     if not len(exemplars):
         return np.zeros(len(vectors), np.float32)
     sims = vectors @ exemplars.T
     if exclude_self:
         sims = np.where(sims > 0.9995, -1.0, sims)
+    if high is not None and exemplar_high is not None:
+        other = np.asarray(high, bool)[:, None] != exemplar_high[None, :]
+        has_own = ~other.all(axis=1, keepdims=True)
+        sims = np.where(other & has_own, -1.0, sims)
     return sims.max(axis=1)
 
 

@@ -28,7 +28,7 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
-from .learned import GATE_SCALARS, GateHead, Ranker, classifier_view, gate_features, nearest, rank_features
+from .learned import GATE_SCALARS, GateHead, Known, Ranker, classifier_view, gate_features, nearest, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, open_store
@@ -240,21 +240,22 @@ class Pipeline:
         self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
 
     def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens,
-                    exemplars: tuple[np.ndarray, np.ndarray] | None, exclude_self: bool = False,
+                    exemplars: Known | None, exclude_self: bool = False,
                     names: Sequence[str] | None = None) -> np.ndarray:  # fmt: skip
         """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
         a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
-        tool_ex, none_ex = exemplars if exemplars is not None else (np.zeros((0, vectors.shape[1]), np.float32),) * 2
+        known = exemplars if exemplars is not None else Known(*(np.zeros((0, vectors.shape[1]), np.float32),) * 2)
+        high = np.array([s.kind == "high" for s in screens], float)
         return gate_features(
             np.vstack([v.scores for v in views]),
             np.vstack([v.cosine for v in views]),
             np.vstack([v.cases for v in views]),
             np.vstack([v.bm25 for v in views]),
             np.array([r.source == "llm" for r in requests], float),
-            np.array([s.kind == "high" for s in screens], float),
+            high,
             vectors,
-            nearest(vectors, tool_ex, exclude_self),
-            nearest(vectors, none_ex, exclude_self),
+            nearest(vectors, known.tool, exclude_self, high, known.tool_high),
+            nearest(vectors, known.none, exclude_self, high, known.none_high),
             np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
             names or (self.head.features if self.head is not None else GATE_SCALARS),
         )
@@ -296,6 +297,7 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
         name=resolved.name,
         identity=identity,
         threads=cfg.model.threads,
+        bulk=cfg.model.bulk_threads,
         prefixes=prefixes,
         max_tokens=spec.n_ctx if spec else None,
     )

@@ -310,7 +310,7 @@ def fit(
     screens = [screen(r.text, r.source, pipe.patterns) for r in requests]
     live = np.array([not s.blocked for s in screens])
     tools = [v.index.names[int(np.argmax(v.scores[0]))] for v in views]  # each text's best tool
-    exemplars = _exemplars(q, pos, seed)
+    exemplars = _exemplars(q, pos, np.array([s.kind == "high" for s in screens]), seed)
     x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True, names=GATE_SCALARS)
     y = pos.astype(float)
     # Each text once more against a smaller catalog (a random part of its servers): users
@@ -387,13 +387,21 @@ def query_vectors(pipe: Pipeline, texts: Sequence[str]) -> np.ndarray:
     return np.vstack([found[t] for t in texts]) if texts else np.zeros((0, pipe.embedder.dim), np.float32)
 
 
-def _exemplars(q: np.ndarray, pos: np.ndarray, seed: int) -> Exemplars:
+def _exemplars(q: np.ndarray, pos: np.ndarray, high: np.ndarray, seed: int) -> Exemplars:
+    """At most MAX_EXEMPLARS texts per class, with their paths. The smaller path's texts are
+    kept whole (up to half the class), since each text is compared only with its own path's."""
     rng = np.random.default_rng(seed)
 
     def pick(rows: np.ndarray) -> np.ndarray:
-        return q[np.sort(rng.choice(rows, MAX_EXEMPLARS, replace=False))] if len(rows) > MAX_EXEMPLARS else q[rows]
+        if len(rows) <= MAX_EXEMPLARS:
+            return rows
+        groups = sorted((rows[high[rows]], rows[~high[rows]]), key=len)
+        few = groups[0] if len(groups[0]) <= MAX_EXEMPLARS // 2 else rng.choice(groups[0], MAX_EXEMPLARS // 2, replace=False)
+        rest = rng.choice(groups[1], MAX_EXEMPLARS - len(few), replace=False)
+        return np.sort(np.concatenate([few, rest]))
 
-    return Exemplars.of(pick(np.flatnonzero(pos)), pick(np.flatnonzero(~pos)))
+    t, n = pick(np.flatnonzero(pos)), pick(np.flatnonzero(~pos))
+    return Exemplars.of(q[t], q[n], high[t], high[n])
 
 
 def write_calibration(fitted: Fitted, path: str | pathlib.Path) -> None:

@@ -187,10 +187,26 @@ def test_gate_head_separates_and_round_trips():
     assert evaluate.auroc(p[y == 1], p[y == 0]) > 0.95
     again = msgspec.json.decode(msgspec.json.encode(head), type=learned.GateHead)
     assert np.allclose(again.probability(x), p)
-    tool, none = again.exemplars.arrays()
+    tool, none, _, _ = again.exemplars.arrays()
     assert tool.shape == (20, dim) and np.allclose(tool, vecs[y == 1][:20], atol=1e-3)
     with pytest.raises(ValueError, match="feature count"):
         learned.GateHead(head.mean[:-1], head.scale, head.coef, head.bias, ex)
+
+
+def test_nearest_exemplar_is_looked_for_on_the_texts_own_path():
+    """A text that took a high pattern's path is compared with the exemplars that took it too;
+    a path with no exemplar falls back to all of them; the paths survive the file."""
+    e = np.eye(3, dtype=np.float32)
+    ex = learned.Exemplars.of(e[:1], np.vstack([e[1], 0.6 * e[0] + 0.8 * e[2]]), np.array([True]), np.array([False, True]))
+    known = msgspec.json.decode(msgspec.json.encode(ex), type=learned.Exemplars).arrays()
+    assert known.none_high.tolist() == [False, True] and known.tool_high.tolist() == [True]
+    q = np.vstack([e[1], e[1]])
+    high = np.array([1.0, 0.0])
+    assert learned.nearest(q, known.none).tolist() == pytest.approx([1.0, 1.0])  # paths not given: all
+    assert learned.nearest(q, known.none, False, high, known.none_high).tolist() == pytest.approx([0.0, 1.0])
+    assert learned.nearest(q, known.tool, False, high, known.tool_high).tolist() == pytest.approx([0.0, 0.0])  # no own path: all
+    old = learned.Exemplars(3, e[:1].astype(np.float16).tobytes(), e[1:].astype(np.float16).tobytes())  # fitted before paths
+    assert old.arrays().none_high is None
 
 
 def test_split_is_reproducible_and_disjoint():

@@ -103,3 +103,32 @@ def test_own_cases_are_embedded_as_queries_and_derived_phrases_as_documents(tmp_
         assert np.allclose(entry.vectors, expected, atol=1e-3), kind
         assert not np.allclose(entry.vectors, other, atol=1e-3), kind
         assert np.allclose(entry.primary, nomic.embed([entry.primary_text], "document").vectors[0], atol=1e-3)
+
+
+def test_a_bulk_job_runs_on_the_bulk_threads_and_gives_the_same_vectors(embedder, tmp_path):
+    """An index build of BULK_TEXTS texts or more embeds on every core (`bulk`), then the
+    context goes back to the serving thread count; the vectors do not depend on it."""
+    import llama_cpp
+
+    from sidecar.embed import BULK_TEXTS
+    from sidecar.index import embed_cached
+
+    r = models.resolve(models.SMALL_MODEL, progress=False)
+    two = Embedder(r.path, name=r.name, identity="bulk-test", threads=1, bulk=2, max_tokens=r.spec.n_ctx)
+    texts = [f"list the open issues labelled bug-{i} in the tracker" for i in range(BULK_TEXTS)]
+    seen = []
+    real = two._llm.embed
+
+    def watch(*args, **kwargs):
+        seen.append(llama_cpp.llama_n_threads_batch(two._llm._ctx.ctx))
+        return real(*args, **kwargs)
+
+    two._llm.embed = watch
+    bulk, embedded = embed_cached(two, Store(tmp_path / "s.db"), texts, "document")
+    assert embedded == BULK_TEXTS and set(seen) == {2}
+    assert llama_cpp.llama_n_threads_batch(two._llm._ctx.ctx) == 1  # back to serving
+    seen.clear()
+    few, _ = embed_cached(two, None, texts[:8], "document")  # a small job: serving threads
+    assert set(seen) == {1}
+    for t in texts[:8]:
+        assert float(few[t] @ bulk[t]) > 0.9999
