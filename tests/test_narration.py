@@ -40,12 +40,12 @@ class Reply:
 REPLIES = [
     Reply("Sure. I'll save the updated settings into a new file called config.yaml now, then we can check it. Anything else?",
           "I'll save the updated settings into a new file called config.yaml now, then we can check it.", {"write_file"},
-          (models.SMALL_MODEL, models.DEFAULT_MODEL)),
+          (models.SMALL_MODEL,)),  # MiniLM ranks edit_file first
     Reply("Got it. Let me create a folder named reports inside the project directory so the exports have a home. Then we go on.",
-          "Let me create a folder named reports inside the project directory so the exports have a home.", {"create_directory"}),
+          "Let me create a folder named reports inside the project directory so the exports have a home.", {"create_directory"},
+          (models.SMALL_MODEL,)),  # MiniLM: p 0.74 under its high threshold 0.76
     Reply("Good point. I'll jot this down as a new note so we keep it for the next planning meeting. Moving on.",
-          "I'll jot this down as a new note so we keep it for the next planning meeting.", {"create_note"},
-          (models.SMALL_MODEL,)),  # nomic fires since notes.json's own cases are embedded as queries
+          "I'll jot this down as a new note so we keep it for the next planning meeting.", {"create_note"}),
     Reply("Okay, I'm going to look at the recent commit history to find when the timeout value changed. One moment.",
           "Okay, I'm going to look at the recent commit history to find when the timeout value changed.", {"git_log"},
           (models.SMALL_MODEL, models.DEFAULT_MODEL)),
@@ -54,7 +54,7 @@ REPLIES = [
     Reply("Before we book the call, let me check what time it is right now in Tokyo. Then we pick a slot.",
           "Before we book the call, let me check what time it is right now in Tokyo.", {"get_current_time"}),
     Reply("Thanks for the repro. I'll open a new issue in the repository describing the login crash on Safari. I'll link it here.",
-          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}, (models.SMALL_MODEL,)),
+          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}),
     Reply("Let me pull up the list of open pull requests so we can see what's waiting for review. Back in a second.",
           "Let me pull up the list of open pull requests so we can see what's waiting for review.", {"list_pull_requests"},
           (models.DEFAULT_MODEL,)),

@@ -113,6 +113,21 @@ def test_llm_narration_in_the_present(text, fires):
 
 
 @pytest.mark.parametrize(
+    "text,path",
+    [
+        ("I'll jot this down as a new note so we keep it.", "high:first_person"),
+        ("Let me look it up in the docs.", "high:let_me"),
+        ("I'm going to pull the deploy logs up.", "high:first_person"),
+        ("I'll bring it up at the next meeting.", "fallback"),  # not a verb that takes its particle late
+        ("Let me look at this from another angle.", "fallback"),  # no particle
+        ("I'll jot all of the numbers from the meeting down", "fallback"),  # the object is at most three words
+    ],
+)
+def test_a_separable_verb_takes_its_particle_after_a_short_object(text, path):
+    assert gate.screen(text, "llm", patterns.load_dir()).path == path
+
+
+@pytest.mark.parametrize(
     "text,pattern",
     [
         ("what's the status of PROJ-1423?", "names_artifact"),
