@@ -293,7 +293,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:
         plot.gate_plot(fitted, args.plot)
     if args.json:
-        _print_json({"calibration": fitted.calibration.thresholds, "ranker": fitted.calibration.ranker, "objective": fitted.objective,
+        ranker = fitted.calibration.ranker
+        _print_json({"calibration": fitted.calibration.thresholds, "ranker": {"weights": ranker.weights, "adapter": ranker.adapter is not None},
+                     "objective": fitted.objective,
                      "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds})  # fmt: skip
     else:
         print(tune.describe(fitted))

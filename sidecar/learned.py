@@ -34,12 +34,39 @@ GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_t
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
 
 
+class QueryAdapter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A linear map of a query's vector before its cosines to the tools are taken:
+    q' = normalize(q + W q). Requests and tool descriptions are different kinds of text; W,
+    fitted on labelled requests of many servers, moves a request toward how tools describe
+    themselves, in a way that carries to servers it never saw (README, "Quality")."""
+
+    dim: int
+    weights: bytes  # W, float16, row-major (dim x dim)
+
+    @classmethod
+    def of(cls, w: np.ndarray) -> QueryAdapter:
+        return cls(int(w.shape[0]), w.astype(np.float16).tobytes())
+
+    def matrix(self) -> np.ndarray:
+        return np.frombuffer(self.weights, np.float16).reshape(self.dim, self.dim).astype(np.float32)
+
+
+def adapt(vectors: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+    """Unit vectors of q + W q (the vectors themselves without an adapter)."""
+    if w is None:
+        return vectors
+    h = vectors + vectors @ w.T
+    return (h / np.maximum(np.linalg.norm(h, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
+
 class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Weights over RANK_FEATURES; the default is plain cosine with a little BM25. A
-    calibration written before the classifier view (three weights) still loads: a missing
-    weight is 0."""
+    """Weights over RANK_FEATURES, and the query adapter the cosine views are taken after;
+    the default is plain cosine with a little BM25. A calibration written before the
+    classifier view (three weights) or the adapter still loads: a missing weight is 0, a
+    missing adapter leaves queries as they are."""
 
     weights: tuple[float, ...] = (1.0, 0.1, 0.0, 0.0)
+    adapter: QueryAdapter | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.weights) <= len(RANK_FEATURES):
@@ -153,6 +180,46 @@ class Known(NamedTuple):
     none: np.ndarray
     tool_high: np.ndarray | None = None
     none_high: np.ndarray | None = None
+
+
+def fit_query_adapter(queries: np.ndarray, primary: np.ndarray, rows: np.ndarray, starts: np.ndarray, fixed: np.ndarray,
+                      targets: Sequence[Sequence[int]], weights: Sequence[float], l2: float = 0.1, iters: int = 50,
+                      lr: float = 3e-3) -> QueryAdapter:  # fmt: skip
+    """The `QueryAdapter` that maximises the ranker's softmax mass on each request's expected
+    tools, the ranker's weights held fixed: `queries` (n, dim) raw, `primary` (tools, dim) and
+    `rows` (rows, dim) the index's vectors, `starts` each tool's first row, `fixed` (n, tools)
+    the blend's part the adapter does not move (BM25, classifier). Full W from zero, L2, Adam.
+    Chosen on 3 folds split by server inside fixtures/corpus/fit.jsonl (MiniLM): a full W beat
+    low rank (16, 32), a diagonal and a tool-side map, and refitting the ranker afterwards lost."""
+    n, dim = queries.shape
+    q = queries.astype(np.float32)
+    row_tool = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(rows))))
+    y = np.zeros((n, len(starts)), np.float32)
+    for r, expected in enumerate(targets):
+        y[r, list(expected)] = 1.0 / len(expected)
+    wc, wk = TEMPERATURE * float(weights[0]), TEMPERATURE * float(weights[2]) if len(weights) > 2 else 0.0
+    base = TEMPERATURE * fixed
+    w = np.zeros((dim, dim), np.float32)
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    for step in range(1, iters + 1):
+        h = q + q @ w.T
+        norm = np.linalg.norm(h, axis=1, keepdims=True)
+        qa = h / norm
+        sims = qa @ rows.T
+        cases = np.maximum.reduceat(sims, starts, axis=1)
+        z = wc * (qa @ primary.T) + wk * cases + base
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        e = (p - y) / n
+        best = np.where(sims == cases[:, row_tool], e[:, row_tool], 0.0)  # the max's gradient goes to its row
+        g_out = wc * (e @ primary) + wk * (best @ rows)
+        dh = (g_out - qa * (g_out * qa).sum(axis=1, keepdims=True)) / norm
+        g = dh.T @ q + l2 * w
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    return QueryAdapter.of(w)
 
 
 class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,7 +28,7 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
 from .index import ToolIndex
-from .learned import GATE_SCALARS, GateHead, Known, Ranker, classifier_view, gate_features, nearest, rank_features
+from .learned import GATE_SCALARS, GateHead, Known, Ranker, adapt, classifier_view, gate_features, nearest, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, open_store
@@ -163,7 +163,7 @@ class Pipeline:
             if not rows:
                 continue
             index = self.index_for(source)
-            cosine, cases = index.views(vectors[rows])
+            cosine, cases = index.views(adapt(vectors[rows], self._adapter))
             logits = index.logits(vectors[rows])
             lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
             features = rank_features(cosine, lex, cases, logits)
@@ -229,6 +229,15 @@ class Pipeline:
         if self.head is None or not requests:
             return [None] * len(requests)
         return self.head.probability(self.gate_inputs(requests, vectors, views, screens, self._exemplars)).tolist()
+
+    @property
+    def ranker(self) -> Ranker:
+        return self._ranker
+
+    @ranker.setter
+    def ranker(self, ranker: Ranker) -> None:
+        self._ranker = ranker
+        self._adapter = ranker.adapter.matrix() if ranker.adapter is not None else None  # decoded once
 
     @property
     def head(self) -> GateHead | None:

@@ -22,7 +22,7 @@ from .config import Config
 from .evaluate import Labeled, gate_report, ranking_report, run
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
-from .learned import GATE_SCALARS, Exemplars, fit_gate_head, fit_ranker, rank_features
+from .learned import GATE_SCALARS, Exemplars, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
@@ -304,7 +304,12 @@ def fit(
     ranked = [k for k, i in enumerate(fit_items) if i.positive]
     features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases, views[k].logits)[0] for k in ranked])
     say(f"fitting the ranker on {len(ranked)} tool requests")
-    ranker = fit_ranker(features, [[position[t] for t in fit_items[k].expected] for k in ranked])
+    targets = [[position[t] for t in fit_items[k].expected] for k in ranked]
+    ranker = fit_ranker(features, targets)
+    say("fitting the query adapter")
+    index = pipe.index_for("user")
+    fixed = ranker.score(features * np.array([0.0, 1.0, 0.0, 1.0], np.float32))  # BM25 and classifier: not moved by it
+    ranker = Ranker(ranker.weights, fit_query_adapter(q[ranked], index.primary, index.matrix, index.starts, fixed, targets, ranker.weights))
     pipe.ranker = ranker
     views = pipe.views(requests, q)
     screens = [screen(r.text, r.source, pipe.patterns) for r in requests]
@@ -419,7 +424,8 @@ def describe(f: Fitted) -> str:
     c, t, h, r = f.calibration, f.calibration.thresholds, f.heldout, f.calibration.ranker
     return "\n".join([
         f"{c.model}{' +task-prefixes' if c.task_prefixes else ''}: fitted on {f.fit_items} items in {f.seconds:.0f} s, objective {f.objective}",
-        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier"), r.weights)),
+        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier"), r.weights))
+        + (", after a query adapter" if r.adapter is not None else ""),
         f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
         f"  out-of-fold on the fit part: TP {f.fit.tp_rate:.1%}, FP {f.fit.fp_rate:.1%}, accuracy {f.fit.accuracy:.1%}, right tool {f.fit.correct_rate:.1%}",
     ] + ([

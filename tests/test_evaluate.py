@@ -209,6 +209,35 @@ def test_nearest_exemplar_is_looked_for_on_the_texts_own_path():
     assert old.arrays().none_high is None
 
 
+def test_query_adapter_learns_a_shift_that_carries_to_new_tools_and_round_trips():
+    """Requests that sit off their tools' descriptions by a common direction: the adapter
+    fitted on some tools ranks requests for other tools better, and survives the file; with
+    no adapter the vectors are untouched."""
+    rng = np.random.default_rng(3)
+    dim, tools = 16, 40
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    desc = unit(rng.normal(size=(tools, dim)))
+    shift = unit(rng.normal(size=dim))
+    expect = rng.integers(0, tools, 600)
+    requests = unit(desc[expect] + 0.35 * rng.normal(size=(600, dim)) + 1.2 * shift)
+    seen = expect < 20  # fitted on tools 0-19, judged on 20-39
+    weights = (1.0, 0.0, 0.0, 0.0)
+    starts = np.arange(tools)
+    fit = np.flatnonzero(seen)
+    adapter = learned.fit_query_adapter(requests[fit], desc[:20], desc[:20], starts[:20], np.zeros((len(fit), 20)),
+                                        [[int(t)] for t in expect[fit]], weights, iters=100, lr=1e-2)  # fmt: skip
+    again = msgspec.json.decode(msgspec.json.encode(learned.Ranker(weights, adapter)), type=learned.Ranker)
+    w = again.adapter.matrix()
+    new = ~seen
+
+    def top1(vectors):
+        return float((np.argmax(vectors[new] @ desc.T, axis=1) == expect[new]).mean())
+
+    assert top1(learned.adapt(requests, w)) > top1(requests) + 0.05
+    assert learned.adapt(requests, None) is requests
+    assert np.allclose(np.linalg.norm(learned.adapt(requests, w), axis=1), 1.0, atol=1e-5)
+
+
 def test_split_is_reproducible_and_disjoint():
     fit, held = tune.split(100, 0.3, seed=7)
     assert len(held) == 30 and not set(fit) & set(held) and len(fit) + len(held) == 100

@@ -80,15 +80,18 @@ def test_a_catalog_without_own_cases_gets_no_classifier_and_a_zero_view(tmp_path
 
 
 def test_a_calibration_from_before_the_classifier_still_loads_and_scores_the_same():
-    cal = calibration.builtin(models.SMALL_MODEL)  # three ranker weights, eleven gate scalars
-    assert len(cal.ranker.weights) == 3 and "classifier_top1" not in cal.head.features
+    """A ranker written before the classifier view and the query adapter: three weights."""
+    old = msgspec.json.decode(b'{"weights": [0.48049, 0.16942, 0.32674]}', type=learned.Ranker)
+    assert old.adapter is None
     rng = np.random.default_rng(1)
     f = rng.normal(size=(4, 7, len(learned.RANK_FEATURES))).astype(np.float32)
-    assert np.allclose(cal.ranker.score(f), f[..., :3] @ np.asarray(cal.ranker.weights, np.float32))
-    doc = json.loads(msgspec.json.encode(cal.ranker))
-    assert msgspec.json.decode(json.dumps(doc), type=learned.Ranker) == cal.ranker
+    assert np.allclose(old.score(f), f[..., :3] @ np.asarray(old.weights, np.float32))
+    doc = json.loads(msgspec.json.encode(old))
+    assert msgspec.json.decode(json.dumps(doc), type=learned.Ranker) == old
     with pytest.raises(msgspec.ValidationError, match="weights"):
         msgspec.json.decode(json.dumps({"weights": [1, 0, 0, 0, 0]}), type=learned.Ranker)
+    builtin = calibration.builtin(models.SMALL_MODEL)  # refitted since: four weights, twelve scalars, an adapter
+    assert len(builtin.ranker.weights) == 4 and "classifier_top1" in builtin.head.features and builtin.ranker.adapter is not None
 
 
 def test_fit_classifier_separates_clusters_with_standardisation_folded_in():

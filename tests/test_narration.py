@@ -40,10 +40,9 @@ class Reply:
 REPLIES = [
     Reply("Sure. I'll save the updated settings into a new file called config.yaml now, then we can check it. Anything else?",
           "I'll save the updated settings into a new file called config.yaml now, then we can check it.", {"write_file"},
-          (models.SMALL_MODEL,)),  # MiniLM ranks edit_file first
+          (models.SMALL_MODEL, models.DEFAULT_MODEL)),  # both fire with edit_file first (nomic injects write_file second)
     Reply("Got it. Let me create a folder named reports inside the project directory so the exports have a home. Then we go on.",
-          "Let me create a folder named reports inside the project directory so the exports have a home.", {"create_directory"},
-          (models.SMALL_MODEL,)),  # MiniLM: p 0.74 under its high threshold 0.76
+          "Let me create a folder named reports inside the project directory so the exports have a home.", {"create_directory"}),
     Reply("Good point. I'll jot this down as a new note so we keep it for the next planning meeting. Moving on.",
           "I'll jot this down as a new note so we keep it for the next planning meeting.", {"create_note"}),
     Reply("Okay, I'm going to look at the recent commit history to find when the timeout value changed. One moment.",
@@ -54,10 +53,9 @@ REPLIES = [
     Reply("Before we book the call, let me check what time it is right now in Tokyo. Then we pick a slot.",
           "Before we book the call, let me check what time it is right now in Tokyo.", {"get_current_time"}),
     Reply("Thanks for the repro. I'll open a new issue in the repository describing the login crash on Safari. I'll link it here.",
-          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}),
+          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}, (models.SMALL_MODEL,)),
     Reply("Let me pull up the list of open pull requests so we can see what's waiting for review. Back in a second.",
-          "Let me pull up the list of open pull requests so we can see what's waiting for review.", {"list_pull_requests"},
-          (models.DEFAULT_MODEL,)),
+          "Let me pull up the list of open pull requests so we can see what's waiting for review.", {"list_pull_requests"}),
     Reply("I'll grab the contents of that changelog page so I can summarise what changed in 2.0. Give me a moment.",
           "I'll grab the contents of that changelog page so I can summarise what changed in 2.0.", {"fetch"}, (models.SMALL_MODEL, models.DEFAULT_MODEL)),
 ]

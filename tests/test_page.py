@@ -27,7 +27,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 SECRET = "page-test-token"
 TURN = "Show me the note about onboarding"
-REPLY = "Sure. I should call semantic_search to find the kubernetes setup. Maybe I should check your notes on this as well. Ok."
+REPLY = "Sure. I should call semantic_search to find the kubernetes setup. Maybe I should list your notes on this as well. Ok."
 WAIT_MS = WAIT_S * 1000
 
 
