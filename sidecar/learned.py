@@ -271,16 +271,17 @@ def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = Fal
     vector, `exemplar_high` per exemplar), only exemplars on the vector's own path count,
     where that path has any: "I'll save it to a new file" is told apart from other texts
     that announce an action, not from "I've saved it", which a sentence embedding hardly
-    tells from it and which took the other path."""
+    tells from it and which took the other path. A NaN in `high`: compare with all."""
     if not len(exemplars):
         return np.zeros(len(vectors), np.float32)
     sims = vectors @ exemplars.T
     if exclude_self:
         sims = np.where(sims > 0.9995, -1.0, sims)
     if high is not None and exemplar_high is not None:
-        other = np.asarray(high, bool)[:, None] != exemplar_high[None, :]
-        has_own = ~other.all(axis=1, keepdims=True)
-        sims = np.where(other & has_own, -1.0, sims)
+        high = np.asarray(high, float)
+        other = (high[:, None] > 0.5) != exemplar_high[None, :]
+        scoped = ~np.isnan(high)[:, None] & ~other.all(axis=1, keepdims=True)  # NaN: no path, compare with all
+        sims = np.where(other & scoped, -1.0, sims)
     return sims.max(axis=1)
 
 

@@ -254,17 +254,22 @@ class Pipeline:
         """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
         a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
         known = exemplars if exemplars is not None else Known(*(np.zeros((0, vectors.shape[1]), np.float32),) * 2)
+        llm = np.array([r.source == "llm" for r in requests], float)
         high = np.array([s.kind == "high" for s in screens], float)
+        # A reply's path says its tense ("I'll save it" vs "I've saved it"); a user turn's (an
+        # imperative or a question) does not, and splitting its neighbours cost Banking77 (tuned)
+        # 0.004 of gate AUROC with MiniLM. So only LLM texts look on their own path.
+        path = np.where(llm > 0, high, np.nan)
         return gate_features(
             np.vstack([v.scores for v in views]),
             np.vstack([v.cosine for v in views]),
             np.vstack([v.cases for v in views]),
             np.vstack([v.bm25 for v in views]),
-            np.array([r.source == "llm" for r in requests], float),
+            llm,
             high,
             vectors,
-            nearest(vectors, known.tool, exclude_self, high, known.tool_high),
-            nearest(vectors, known.none, exclude_self, high, known.none_high),
+            nearest(vectors, known.tool, exclude_self, path, known.tool_high),
+            nearest(vectors, known.none, exclude_self, path, known.none_high),
             np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
             names or (self.head.features if self.head is not None else GATE_SCALARS),
         )

@@ -27,6 +27,7 @@ TEXTS = [  # user turns that name no tool: the ranking, not a pattern, decides w
     "make a new folder called archive in my documents",
     "write these notes into a new file named todo.txt",
     "move the old report into the backup directory",
+    "list everything in the downloads folder",
 ]
 BOUND_S = 300
 

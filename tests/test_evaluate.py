@@ -205,6 +205,7 @@ def test_nearest_exemplar_is_looked_for_on_the_texts_own_path():
     assert learned.nearest(q, known.none).tolist() == pytest.approx([1.0, 1.0])  # paths not given: all
     assert learned.nearest(q, known.none, False, high, known.none_high).tolist() == pytest.approx([0.0, 1.0])
     assert learned.nearest(q, known.tool, False, high, known.tool_high).tolist() == pytest.approx([0.0, 0.0])  # no own path: all
+    assert learned.nearest(q, known.none, False, np.array([1.0, np.nan]), known.none_high).tolist() == pytest.approx([0.0, 1.0])  # NaN: all
     old = learned.Exemplars(3, e[:1].astype(np.float16).tobytes(), e[1:].astype(np.float16).tobytes())  # fitted before paths
     assert old.arrays().none_high is None
 

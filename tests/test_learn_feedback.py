@@ -25,6 +25,7 @@ TURNS = [
     "open the settings file and show me what is in it",
     "make a new folder called archive in my documents",
     "move the old report into the backup directory",
+    "list everything in the downloads folder",
 ]
 BOUND_S = 300
 

@@ -27,7 +27,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 SECRET = "page-test-token"
 TURN = "Show me the note about onboarding"
-REPLY = "Sure. I should call semantic_search to find the kubernetes setup. Maybe I should list your notes on this as well. Ok."
+REPLY = "Sure. I should call semantic_search to find the kubernetes setup. Maybe I should also list all your notes. Ok."
 WAIT_MS = WAIT_S * 1000
 
 
@@ -51,7 +51,7 @@ async def sidecar(tmp_path: pathlib.Path):
     its own origin; yields its port."""
     port = free_port()
     cfg = tmp_path / "sidecar.toml"
-    # auto pinned between the reply's two fired clauses (about 0.95 and 0.83 today), so it
+    # auto pinned between the reply's two fired clauses (about 0.95 and 0.87 today), so it
     # yields one card of each tier even if a refit moves the calibration's own threshold
     cfg.write_text(f'[server]\ntoken = "{SECRET}"\norigins = ["http://127.0.0.1:{port}"]\n\n[gate]\nauto = 0.9\n')
     proc, url, lines, drain = await _serve(tmp_path, "--config", str(cfg), "--port", str(port))
