@@ -22,7 +22,7 @@ from .config import Config
 from .evaluate import Labeled, gate_report, ranking_report, run
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
-from .learned import GATE_SCALARS, Exemplars, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
+from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
@@ -300,15 +300,16 @@ def fit(
     requests = [Request(i.text, i.source) for i in fit_items]
     q = vectors[fit_idx]
     views = pipe.views(requests, q)
-    position = {n: k for k, n in enumerate(pipe.index_for("user").names)}
+    index = pipe.index_for("user")
+    position = {n: k for k, n in enumerate(index.names)}
     ranked = [k for k, i in enumerate(fit_items) if i.positive]
     features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases, views[k].logits)[0] for k in ranked])
     say(f"fitting the ranker on {len(ranked)} tool requests")
     targets = [[position[t] for t in fit_items[k].expected] for k in ranked]
     ranker = fit_ranker(features, targets)
     say("fitting the query adapter")
-    index = pipe.index_for("user")
-    fixed = ranker.score(features * np.array([0.0, 1.0, 0.0, 1.0], np.float32))  # BM25 and classifier: not moved by it
+    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
+    fixed = ranker.score(features * unmoved)
     ranker = Ranker(ranker.weights, fit_query_adapter(q[ranked], index.primary, index.matrix, index.starts, fixed, targets, ranker.weights))
     pipe.ranker = ranker
     views = pipe.views(requests, q)
