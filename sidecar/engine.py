@@ -19,7 +19,7 @@ import numpy as np
 from . import cascade
 from .catalog import Catalog
 from .config import Config
-from .gate import Decision, Timing, screen
+from .gate import Decision, Timing
 from .metrics import MetricsStore, StringCaps
 from .pipeline import Judged, Pipeline, Request, from_config
 from .recommend.filters import Context
@@ -105,8 +105,7 @@ class Sidecar:
             return self.pipeline.judge_batch(requests)
         if self.screen.catalog is not self.pipeline.catalog:  # reindexed in place (live MCP servers)
             self.screen.reindex(self.pipeline.catalog, self._persist)
-        pats = self.pipeline.patterns
-        asked = [i for i, r in enumerate(requests) if screen(r.text, r.source, pats).kind == "fallback"]
+        asked = [i for i, r in enumerate(requests) if self.pipeline.screen(r).kind == "fallback"]
         first = self.screen.judge_batch([requests[i] for i in asked]) if asked else Judged([], [])
         decisions: list[Decision | None] = [None] * len(requests)
         for i, d in zip(asked, first.decisions):

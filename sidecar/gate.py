@@ -91,9 +91,11 @@ class Timing(msgspec.Struct):
 
 
 class Screen(msgspec.Struct, frozen=True):
-    """What the patterns said: blocked, high confidence, or nothing (fallback)."""
+    """What the patterns said: blocked, high confidence, or nothing (fallback). A negative
+    match the gate head weighs instead of obeying takes the fallback path as
+    "fallback:negative:ID"."""
 
-    path: str  # "negative:ID" | "high:ID" | "fallback"
+    path: str  # "negative:ID" | "high:ID" | "fallback" | "fallback:negative:ID"
     match: Match | None = None
 
     @property
@@ -103,6 +105,11 @@ class Screen(msgspec.Struct, frozen=True):
     @property
     def blocked(self) -> bool:
         return self.kind == "negative"
+
+    @property
+    def negative(self) -> bool:
+        """A negative pattern matched, whether it blocked or is only weighed."""
+        return self.path.startswith(("negative:", "fallback:negative:"))
 
 
 class Decision(msgspec.Struct, omit_defaults=False):
@@ -124,9 +131,14 @@ class Decision(msgspec.Struct, omit_defaults=False):
         return path_kind(self.path)
 
 
-def screen(text: str, source: str, patterns: GatePatterns) -> Screen:
+def screen(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False) -> Screen:
+    """`weigh_negatives`: a negative match does not block; the text takes the fallback path and
+    the gate head, which has the match as a feature, decides (a fitted head weighs "the Delete
+    button" in "let me click the Delete button" better than a rule that blocks it)."""
     neg = patterns.negative.first(text, source)
     if neg:
+        if weigh_negatives and not neg.timed_out:  # a search that ran out of time still fails closed
+            return Screen(f"fallback:negative:{neg.id}")
         return Screen(f"negative:{neg.id}", neg)
     high = patterns.high.first(text, source)
     if high:

@@ -30,7 +30,7 @@ import numpy as np
 
 RANK_FEATURES = ("cosine", "lexical", "cases", "classifier")
 GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
-                "classifier_top1")  # fmt: skip
+                "classifier_top1", "negative")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
 
 
@@ -296,6 +296,7 @@ def gate_features(
     near_tool: np.ndarray,
     near_none: np.ndarray,
     classifier: np.ndarray | None = None,
+    negative: np.ndarray | None = None,
     names: Sequence[str] = GATE_SCALARS,
 ) -> np.ndarray:
     """Per text: the scalars `names` (a head fitted before a scalar existed names fewer) then
@@ -309,7 +310,7 @@ def gate_features(
     else:
         scal = [np.zeros(n)] * 6
     clf = np.exp(classifier.max(axis=1)) if classifier is not None and classifier.shape[1] and classifier.any() else np.zeros(n)
-    scal += [llm, near_tool, near_none, near_tool - near_none, high, clf]
+    scal += [llm, near_tool, near_none, near_tool - near_none, high, clf, np.zeros(n) if negative is None else negative]
     by_name = dict(zip(GATE_SCALARS, scal))
     return np.hstack([np.stack([by_name[k] for k in names], axis=1), vectors]).astype(np.float64)
 

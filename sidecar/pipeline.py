@@ -26,7 +26,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
 from .embed import Embedded, Embedder
-from .gate import Candidate, Decision, Thresholds, Timing, judge, screen
+from .gate import Candidate, Decision, Screen, Thresholds, Timing, judge, screen
 from .index import ToolIndex
 from .learned import GATE_SCALARS, GateHead, Known, Ranker, adapt, classifier_view, gate_features, nearest, rank_features
 from .lexical import LexicalIndex
@@ -193,11 +193,7 @@ class Pipeline:
         if not requests:
             return Judged([], [])
         t0 = time.perf_counter()
-        screens = []
-        for r in requests:
-            if r.source not in SOURCES:
-                raise ValueError(f"source must be one of {SOURCES}, not {r.source!r}")
-            screens.append(screen(r.text, r.source, self.patterns))
+        screens = [self.screen(r) for r in requests]
         t_regex = time.perf_counter()
         todo = [i for i, s in enumerate(screens) if not s.blocked]
         embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
@@ -224,6 +220,13 @@ class Pipeline:
         rows = dict(zip(todo, embedded.vectors))
         return Judged(out, [rows.get(i) for i in range(n)])
 
+    def screen(self, request: Request) -> Screen:
+        """What the patterns say of a text. A negative match blocks, unless the gate head was
+        fitted with it as a feature: then the head weighs it."""
+        if request.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, not {request.source!r}")
+        return screen(request.text, request.source, self.patterns, self._weigh_negatives)
+
     def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens) -> list[float | None]:
         """The gate head's probability that each text needs a tool (None without a head)."""
         if self.head is None or not requests:
@@ -247,6 +250,7 @@ class Pipeline:
     def head(self, head: GateHead | None) -> None:
         self._head = head
         self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
+        self._weigh_negatives = head is not None and "negative" in head.features
 
     def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens,
                     exemplars: Known | None, exclude_self: bool = False,
@@ -271,6 +275,7 @@ class Pipeline:
             nearest(vectors, known.tool, exclude_self, path, known.tool_high),
             nearest(vectors, known.none, exclude_self, path, known.none_high),
             np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
+            np.array([s.negative for s in screens], float),
             names or (self.head.features if self.head is not None else GATE_SCALARS),
         )
 

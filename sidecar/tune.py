@@ -299,38 +299,44 @@ def fit(
     vectors = query_vectors(pipe, [i.text for i in items])
     requests = [Request(i.text, i.source) for i in fit_items]
     q = vectors[fit_idx]
-    views = pipe.views(requests, q)
-    index = pipe.index_for("user")
-    position = {n: k for k, n in enumerate(index.names)}
-    ranked = [k for k, i in enumerate(fit_items) if i.positive]
-    features = np.stack([rank_features(views[k].cosine, views[k].bm25, views[k].cases, views[k].logits)[0] for k in ranked])
-    say(f"fitting the ranker on {len(ranked)} tool requests")
-    targets = [[position[t] for t in fit_items[k].expected] for k in ranked]
-    ranker = fit_ranker(features, targets)
-    say("fitting the query adapter")
-    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
-    fixed = ranker.score(features * unmoved)
-    ranker = Ranker(ranker.weights, fit_query_adapter(q[ranked], index.primary, index.matrix, index.starts, fixed, targets, ranker.weights))
-    pipe.ranker = ranker
-    views = pipe.views(requests, q)
-    screens = [screen(r.text, r.source, pipe.patterns) for r in requests]
-    live = np.array([not s.blocked for s in screens])
-    tools = [v.index.names[int(np.argmax(v.scores[0]))] for v in views]  # each text's best tool
-    exemplars = _exemplars(q, pos, np.array([s.kind == "high" for s in screens]), seed)
-    x = pipe.gate_inputs(requests, q, views, screens, exemplars.arrays(), exclude_self=True, names=GATE_SCALARS)
+    screens = [screen(r.text, r.source, pipe.patterns, weigh_negatives=True) for r in requests]
+    high = np.array([s.kind == "high" for s in screens])
     y = pos.astype(float)
-    # Each text once more against a smaller catalog (a random part of its servers): users
-    # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
-    x_part, y_part = _against_parts(pipe, fit_items, requests, q, views, screens, exemplars, np.random.default_rng(seed))
-    say(f"fitting the gate head on {2 * int(live.sum())} rows ({FOLDS}-fold for the thresholds)")
-    oof = np.full(len(fit_items), -1.0)
-    folds = np.random.default_rng(seed).integers(0, FOLDS, len(fit_items))
-    both = lambda m: (np.vstack([x[m], x_part[m]]), np.concatenate([y[m], y_part[m]]))  # noqa: E731
+    # Stacking: the gate head learns from features each text gets from a ranker, an adapter
+    # and exemplars fitted without it (without its whole server, where there are servers).
+    # Features from a ranker that has seen the text look surer than a new catalog's will, and
+    # thresholds chosen on them let through less than they promise.
+    plain = pipe.views(requests, q)  # the default ranker's
+    folds = _folds(fit_items, [v.index.names[int(np.argmax(v.scores[0]))] if v.scores.shape[1] else "" for v in plain], seed)
+    x = np.zeros((len(fit_items), len(GATE_SCALARS) + q.shape[1]))
+    x_part = np.zeros_like(x)
+    tools: list[str] = [""] * len(fit_items)
     for f in range(FOLDS):
-        train, test = live & (folds != f), live & (folds == f)
+        train, test = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
+        if not len(test):
+            continue
+        say(f"fold {f + 1}/{FOLDS}: fitting the ranker and the query adapter without {len(test)} texts")
+        pipe.ranker = _fit_ranker(pipe, fit_items, requests, q, train[pos[train]])
+        known = _exemplars(q[train], pos[train], high[train], seed)
+        sub, subreq, subscr = [fit_items[k] for k in test], [requests[k] for k in test], [screens[k] for k in test]
+        views = pipe.views(subreq, q[test])
+        x[test] = pipe.gate_inputs(subreq, q[test], views, subscr, known.arrays(), exclude_self=True, names=GATE_SCALARS)
+        # Each text once more against a smaller catalog (a random part of its servers): users
+        # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
+        x_part[test] = _against_parts(pipe, sub, subreq, q[test], views, subscr, known, np.random.default_rng(seed + f))
+        for k, v in zip(test, views):
+            tools[k] = v.index.names[int(np.argmax(v.scores[0]))]  # each text's best tool, out of fold
+    say(f"fitting the ranker and the query adapter on {int(pos.sum())} tool requests")
+    ranker = pipe.ranker = _fit_ranker(pipe, fit_items, requests, q, np.flatnonzero(pos))
+    exemplars = _exemplars(q, pos, high, seed)
+    say(f"fitting the gate head on {2 * len(fit_items)} rows ({FOLDS}-fold for the thresholds)")
+    oof = np.full(len(fit_items), -1.0)
+    both = lambda m: (np.vstack([x[m], x_part[m]]), np.concatenate([y[m], y[m]]))  # noqa: E731
+    for f in range(FOLDS):
+        train, test = folds != f, folds == f
         if train.sum() and test.sum():
             oof[test] = fit_gate_head(*both(train), exemplars, l2, l2_embedding, features=GATE_SCALARS).probability(x[test])
-    head = fit_gate_head(*both(live), exemplars, l2, l2_embedding, features=GATE_SCALARS)
+    head = fit_gate_head(*both(np.ones(len(fit_items), bool)), exemplars, l2, l2_embedding, features=GATE_SCALARS)
     scores = GateScores(
         path=[s.kind for s in screens],
         score=oof.tolist(),
@@ -353,10 +359,42 @@ def fit(
     return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0)
 
 
+def _folds(items: Sequence[Labeled], nearest: Sequence[str], seed: int) -> np.ndarray:
+    """A fold per item: whole servers per fold when the positives span at least FOLDS servers
+    (a calibration meets catalogs it has not seen), else at random. A text that needs no tool
+    goes with the server of its `nearest` tool: a question about Jira epics belongs with the
+    Jira requests, since a new catalog's near misses come with its tools."""
+    rng = np.random.default_rng(seed)
+    random = rng.integers(0, FOLDS, len(items))
+    servers = sorted({server_of(min(i.expected)) for i in items if i.positive and SEP in min(i.expected)})
+    if len(servers) < FOLDS:  # one server's tools (an intent set): the tools are the ones it will meet
+        return random
+    fold_of = dict(zip(servers, rng.permutation(len(servers)) % FOLDS))
+    owner = [server_of(min(i.expected)) if i.positive else server_of(t) for i, t in zip(items, nearest)]
+    return np.array([fold_of.get(o, r) for o, r in zip(owner, random)])
+
+
+def _fit_ranker(pipe: Pipeline, items: Sequence[Labeled], requests: Sequence[Request], q: np.ndarray, rows: np.ndarray) -> Ranker:
+    """The view weights, then the query adapter with those weights held, on the tool requests
+    `rows`. Without any, the default ranker."""
+    if not len(rows):
+        return Ranker()
+    pipe.ranker = Ranker()
+    index = pipe.index_for("user")
+    position = {n: k for k, n in enumerate(index.names)}
+    views = pipe.views([requests[k] for k in rows], q[rows])
+    features = np.stack([rank_features(v.cosine, v.bm25, v.cases, v.logits)[0] for v in views])
+    targets = [[position[t] for t in items[k].expected] for k in rows]
+    ranker = fit_ranker(features, targets)
+    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
+    fixed = ranker.score(features * unmoved)
+    return Ranker(ranker.weights, fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, targets, ranker.weights))
+
+
 PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars, rng) -> tuple[np.ndarray, np.ndarray]:
+def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars, rng) -> np.ndarray:
     """Gate features of each text against a smaller catalog: one of PARTS random sets of
     servers (of single tools, for a one-server catalog), plus the text's own expected tools.
     Users bring 5 tools or 500; the head should mean the same for both. (Parts without the
@@ -381,7 +419,7 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplars
         logits = None if v.logits is None else v.logits[:, mask]  # renormalised over the part by rank_features
         part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
         x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], known, exclude_self=True, names=GATE_SCALARS)[0]
-    return x, np.asarray([i.positive for i in items], float)
+    return x
 
 
 def server_of(tool: str) -> str:

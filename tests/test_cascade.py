@@ -85,14 +85,16 @@ def test_a_mixed_batch_sends_only_the_unsettled_texts_to_the_main_model(engine):
     assert main_texts(engine) == before + 1
 
 
-def test_a_high_pattern_text_is_never_settled_and_a_negative_one_is_embedded_by_neither(engine):
+def test_a_high_pattern_text_is_never_settled_and_a_negative_match_is_screened_like_any_fallback_text(engine):
     everything = Sidecar(with_cutoff(engine.cfg, 1.0), engine.pipeline, None, None, engine.screen)  # settles every fallback text
     main0, screen0 = main_texts(engine), screened(engine)
     high, neg, small = everything.judge([Request(HIGH), Request(NEGATIVE), Request(SMALL_TALK, "llm")])
     assert high.decision.kind == "high" and high.decision.path != cascade.SETTLED_PATH
-    assert neg.decision.kind == "negative" and small.decision.path == cascade.SETTLED_PATH
+    # the built-in heads weigh a negative match rather than obey it: the text takes the fallback path
+    assert engine.pipeline.screen(Request(NEGATIVE)).path.startswith("fallback:negative:")
+    assert neg.decision.path == small.decision.path == cascade.SETTLED_PATH
     assert main_texts(engine) == main0 + 1  # the high one only
-    assert screened(engine) == screen0 + 1  # the small talk only: high texts skip the screen, blocked ones are embedded by neither
+    assert screened(engine) == screen0 + 2  # the small talk and the negative match: high texts skip the screen
 
 
 def with_cutoff(cfg, cut: float):

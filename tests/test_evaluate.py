@@ -244,3 +244,22 @@ def test_split_is_reproducible_and_disjoint():
     assert len(held) == 30 and not set(fit) & set(held) and len(fit) + len(held) == 100
     assert tune.split(100, 0.3, seed=7) == (fit, held)
     assert tune.split(100, 0.3, seed=8) != (fit, held)
+
+
+def test_stacking_folds_hold_out_whole_servers_and_put_talk_with_its_nearest_server():
+    servers = [f"s{k}" for k in range(7)]
+    items = [Labeled(f"ask {s} {j}", f"{s}__tool{j % 2}") for s in servers for j in range(4)]
+    talk = [Labeled(f"talk near {s}", None) for s in servers]
+    nearest = [""] * len(items) + [f"{s}__tool0" for s in servers]
+    folds = tune._folds(items + talk, nearest, seed=3)
+    by_server: dict[str, set[int]] = {}
+    for item, near, f in zip(items + talk, nearest, folds):
+        server = tune.server_of(min(item.expected)) if item.positive else tune.server_of(near)
+        by_server.setdefault(server, set()).add(int(f))
+    assert all(len(fs) == 1 for fs in by_server.values())  # a server's requests and its near talk: one fold
+    assert len({next(iter(fs)) for fs in by_server.values()}) == tune.FOLDS  # 7 servers over all 5 folds
+    assert (tune._folds(items + talk, nearest, seed=3) == folds).all()
+    # one server's tools (an intent set): at random, so every tool is in every fold's fitting
+    intents = [Labeled(f"want {k} {j}", f"intent{k}") for k in range(3) for j in range(20)]
+    random = tune._folds(intents, [""] * len(intents), seed=3)
+    assert len({int(f) for f, i in zip(random, intents) if i.expected == {"intent0"}}) > 1

@@ -110,7 +110,7 @@ def test_frames_that_closed_the_connection_with_1011_get_typed_errors_and_it_liv
 # F: regex safety ----------------------------------------------------------------------------
 
 
-def test_long_adversarial_turns_never_time_out_and_a_padded_negative_still_blocks(small):
+def test_long_adversarial_turns_never_time_out_and_a_padded_negative_is_still_matched(small):
     padded = f"{REQUEST} " + "a " * 30_000 + " Delete operations are slow."  # the issue's turn
 
     async def body():
@@ -125,7 +125,7 @@ def test_long_adversarial_turns_never_time_out_and_a_padded_negative_still_block
 
     before, got, after = run(body())
     by_stream = {d.stream: d for d in got}
-    assert by_stream["u2"].path == "negative:verb_as_noun" and not by_stream["u2"].fired  # blocked, not timed out
+    assert by_stream["u2"].path == "fallback:negative:verb_as_noun"  # matched (and weighed by the head), not timed out
     assert by_stream["u3"].path == "high:request"  # the same request without the negative phrase
     for s in ("negative", "high"):
         key = f'sidecar_regex_timeouts_total{{set="{s}"}}'

@@ -53,7 +53,7 @@ REPLIES = [
     Reply("Before we book the call, let me check what time it is right now in Tokyo. Then we pick a slot.",
           "Before we book the call, let me check what time it is right now in Tokyo.", {"get_current_time"}),
     Reply("Thanks for the repro. I'll open a new issue in the repository describing the login crash on Safari. I'll link it here.",
-          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}, (models.SMALL_MODEL,)),
+          "I'll open a new issue in the repository describing the login crash on Safari.", {"create_issue"}),
     Reply("Let me pull up the list of open pull requests so we can see what's waiting for review. Back in a second.",
           "Let me pull up the list of open pull requests so we can see what's waiting for review.", {"list_pull_requests"}),
     Reply("I'll grab the contents of that changelog page so I can summarise what changed in 2.0. Give me a moment.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -52,9 +53,14 @@ def test_llm_narration_fires_with_the_llm_strategy(pipe):
     "text",
     ["the search algorithm runs in O(n log n)", "our CRUD layer wraps every table", "CREATE TABLE notes (id int)"],
 )
-def test_negative_patterns_block_before_any_embedding(pipe, text):
-    d = pipe.detect(text)
-    assert d.path.startswith("negative:")
+def test_negative_patterns_are_weighed_by_the_head_and_block_without_one(pipe, text):
+    d = pipe.detect(text)  # the built-in head has the match as a feature: it weighs, it does not obey
+    assert d.path.startswith("fallback:negative:") and d.kind == "fallback"
+    assert not d.fired and d.candidates and d.score is not None and d.score < d.threshold
+    bare = copy.copy(pipe)
+    bare.head = None  # no head to weigh it: the pattern blocks, before any embedding
+    d = bare.detect(text)
+    assert d.path.startswith("negative:") and d.path == "negative:" + pipe.detect(text).path.split(":")[-1]
     assert not d.fired and d.tool is None
     assert d.timing_ms.embed == 0.0 and d.candidates == []
 
