@@ -306,8 +306,11 @@ def fit(
     # and exemplars fitted without it (without its whole server, where there are servers).
     # Features from a ranker that has seen the text look surer than a new catalog's will, and
     # thresholds chosen on them let through less than they promise.
-    plain = pipe.views(requests, q)  # the default ranker's
-    folds = _folds(fit_items, [v.index.names[int(np.argmax(v.scores[0]))] if v.scores.shape[1] else "" for v in plain], seed)
+    plain = pipe.views(requests, q)  # the default ranker's (no adapter): the views every ranker is fitted on
+    features = np.stack([rank_features(v.cosine, v.bm25, v.cases, v.logits)[0] for v in plain])
+    position = {n: k for k, n in enumerate(pipe.index_for("user").names)}
+    targets = [[position[t] for t in i.expected] for i in fit_items]
+    folds = _folds(fit_items, [_best_tool(v) for v in plain], seed)
     x = np.zeros((len(fit_items), len(GATE_SCALARS) + q.shape[1]))
     x_part = np.zeros_like(x)
     tools: list[str] = [""] * len(fit_items)
@@ -316,7 +319,7 @@ def fit(
         if not len(test):
             continue
         say(f"fold {f + 1}/{FOLDS}: fitting the ranker and the query adapter without {len(test)} texts")
-        pipe.ranker = _fit_ranker(pipe, fit_items, requests, q, train[pos[train]])
+        pipe.ranker = _fit_ranker(pipe, q, features, targets, train[pos[train]])
         known = _exemplars(q[train], pos[train], high[train], seed)
         sub, subreq, subscr = [fit_items[k] for k in test], [requests[k] for k in test], [screens[k] for k in test]
         views = pipe.views(subreq, q[test])
@@ -325,9 +328,9 @@ def fit(
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
         x_part[test] = _against_parts(pipe, sub, subreq, q[test], views, subscr, known, np.random.default_rng(seed + f))
         for k, v in zip(test, views):
-            tools[k] = v.index.names[int(np.argmax(v.scores[0]))]  # each text's best tool, out of fold
+            tools[k] = _best_tool(v)  # out of fold
     say(f"fitting the ranker and the query adapter on {int(pos.sum())} tool requests")
-    ranker = pipe.ranker = _fit_ranker(pipe, fit_items, requests, q, np.flatnonzero(pos))
+    ranker = pipe.ranker = _fit_ranker(pipe, q, features, targets, np.flatnonzero(pos))
     exemplars = _exemplars(q, pos, high, seed)
     say(f"fitting the gate head on {2 * len(fit_items)} rows ({FOLDS}-fold for the thresholds)")
     oof = np.full(len(fit_items), -1.0)
@@ -374,21 +377,22 @@ def _folds(items: Sequence[Labeled], nearest: Sequence[str], seed: int) -> np.nd
     return np.array([fold_of.get(o, r) for o, r in zip(owner, random)])
 
 
-def _fit_ranker(pipe: Pipeline, items: Sequence[Labeled], requests: Sequence[Request], q: np.ndarray, rows: np.ndarray) -> Ranker:
+def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Sequence[Sequence[int]], rows: np.ndarray) -> Ranker:
     """The view weights, then the query adapter with those weights held, on the tool requests
-    `rows`. Without any, the default ranker."""
+    `rows` (`features`: their unadapted views; `targets`: their tools' positions in the user
+    index). Without any, the default ranker."""
     if not len(rows):
         return Ranker()
-    pipe.ranker = Ranker()
     index = pipe.index_for("user")
-    position = {n: k for k, n in enumerate(index.names)}
-    views = pipe.views([requests[k] for k in rows], q[rows])
-    features = np.stack([rank_features(v.cosine, v.bm25, v.cases, v.logits)[0] for v in views])
-    targets = [[position[t] for t in items[k].expected] for k in rows]
-    ranker = fit_ranker(features, targets)
+    feats, wanted = features[rows], [targets[k] for k in rows]
+    ranker = fit_ranker(feats, wanted)
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
-    fixed = ranker.score(features * unmoved)
-    return Ranker(ranker.weights, fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, targets, ranker.weights))
+    fixed = ranker.score(feats * unmoved)
+    return Ranker(ranker.weights, fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights))
+
+
+def _best_tool(v: Views) -> str:
+    return v.index.names[int(np.argmax(v.scores[0]))] if v.scores.shape[1] else ""
 
 
 PARTS = 16  # distinct smaller catalogs the texts are spread over
