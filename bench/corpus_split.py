@@ -3,7 +3,9 @@ catalog of the servers in the fit part (fixtures/corpus/fit-catalog.json).
 
 The held-out part is catalog-disjoint: whole servers, picked by a hash of their name, never
 seen in fitting (neither their tools nor any text about them), plus a hash-picked 30% of the
-"no tool" texts. Re-running gives the same files byte for byte.
+"no tool" texts. Each server's lines carry `"group": <server>`, so `tune` holds a server's
+requests and the talk written about it out together. Re-running gives the same files byte
+for byte.
 
     python bench/corpus_split.py
 """
@@ -23,20 +25,17 @@ def share(key: str) -> float:
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32
 
 
-def without_servers(line: str, held: set[str]) -> str | None:
-    """A fit line with expected tools of held-out servers taken out of its list (None when
-    nothing is left): fitting must not see those servers at all."""
+def grouped(line: str, server: str, held: set[str] = frozenset()) -> str | None:
+    """A server's line with its group, and with expected tools of `held` servers taken out of
+    its list (None when nothing is left): fitting must not see those servers at all."""
     item = json.loads(line)
     expect = item["expect"]
-    if expect is None:
-        return line
-    keep = [t for t in ([expect] if isinstance(expect, str) else expect) if t.split("__")[0] not in held]
-    if not keep:
-        return None
-    if keep == ([expect] if isinstance(expect, str) else expect):
-        return line
-    item["expect"] = keep[0] if len(keep) == 1 else keep
-    return json.dumps(item, ensure_ascii=False)
+    if expect is not None:
+        keep = [t for t in ([expect] if isinstance(expect, str) else expect) if t.split("__")[0] not in held]
+        if not keep:
+            return None
+        item["expect"] = expect if keep == ([expect] if isinstance(expect, str) else expect) else keep[0] if len(keep) == 1 else keep
+    return json.dumps(item | {"group": server}, ensure_ascii=False)
 
 
 def main() -> None:
@@ -48,9 +47,9 @@ def main() -> None:
     for s in servers:
         lines = (CORPUS / "servers" / f"{s}.jsonl").read_text(encoding="utf-8").splitlines()
         if s in held:
-            held_lines.extend(ln for ln in lines if ln.strip())
+            held_lines.extend(filter(None, (grouped(ln, s) for ln in lines if ln.strip())))
         else:
-            fit_lines.extend(filter(None, (without_servers(ln, held) for ln in lines if ln.strip())))
+            fit_lines.extend(filter(None, (grouped(ln, s, held) for ln in lines if ln.strip())))
     for ln in (CORPUS / "notool.jsonl").read_text(encoding="utf-8").splitlines():
         if ln.strip():
             (held_lines if share("nt" + json.loads(ln)["text"]) < HELD_SHARE else fit_lines).append(ln)

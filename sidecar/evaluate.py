@@ -31,6 +31,7 @@ class Labeled(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expect: str | list[str] | None = None  # null: no tool should fire
     source: Literal["user", "llm"] = "user"
     kind: str | None = None  # what sort of text a "no tool" item is (small talk, an offer, ...)
+    group: str | None = None  # what the text was written about (a server): `tune` holds a group out whole
 
     @property
     def expected(self) -> frozenset[str]:

@@ -30,7 +30,7 @@ import numpy as np
 
 RANK_FEATURES = ("cosine", "lexical", "cases", "classifier")
 GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
-                "classifier_top1", "negative")  # fmt: skip
+                "classifier_top1", "negative", "tool_k", "none_k", "gap_k", "vote_k")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
 
 
@@ -264,25 +264,67 @@ class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.bias)))
 
 
-def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,
-            exemplar_high: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
-    """Each vector's best cosine to the exemplars; with `exclude_self`, identical vectors
-    (the text itself, when it is one of them) do not count. Given both paths (`high` per
-    vector, `exemplar_high` per exemplar), only exemplars on the vector's own path count,
-    where that path has any: "I'll save it to a new file" is told apart from other texts
-    that announce an action, not from "I've saved it", which a sentence embedding hardly
-    tells from it and which took the other path. A NaN in `high`: compare with all."""
-    if not len(exemplars):
-        return np.zeros(len(vectors), np.float32)
+def similarities(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,
+                 exemplar_high: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """Cosines of each vector to the exemplars, -1 where an exemplar does not count: with
+    `exclude_self`, identical vectors (the text itself, when it is one of them); given both
+    paths (`high` per vector, `exemplar_high` per exemplar), exemplars on the other path,
+    where the vector's own path has any: "I'll save it to a new file" is told apart from
+    other texts that announce an action, not from "I've saved it", which a sentence
+    embedding hardly tells from it and which took the other path. A NaN in `high`: all count."""
     sims = vectors @ exemplars.T
     if exclude_self:
         sims = np.where(sims > 0.9995, -1.0, sims)
-    if high is not None and exemplar_high is not None:
+    if high is not None and exemplar_high is not None and len(exemplars):
         high = np.asarray(high, float)
         other = (high[:, None] > 0.5) != exemplar_high[None, :]
-        scoped = ~np.isnan(high)[:, None] & ~other.all(axis=1, keepdims=True)  # NaN: no path, compare with all
+        scoped = ~np.isnan(high)[:, None] & ~other.all(axis=1, keepdims=True)
         sims = np.where(other & scoped, -1.0, sims)
-    return sims.max(axis=1)
+    return sims
+
+
+def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,
+            exemplar_high: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """Each vector's best cosine to the exemplars that count (see `similarities`)."""
+    if not len(exemplars):
+        return np.zeros(len(vectors), np.float32)
+    return similarities(vectors, exemplars, exclude_self, high, exemplar_high).max(axis=1)
+
+
+NEIGHBOURS = 20  # the k of the k-nearest-exemplar features
+
+
+class Neighbourhood(NamedTuple):
+    """How close a text is to known tool requests and to known talk needing none: the best
+    cosine to each, the mean of the NEIGHBOURS best, and the share of tool requests among
+    its NEIGHBOURS nearest exemplars of either kind. One nearest text can be a fluke; twenty
+    say what region of the space it is in (held-out servers, both models: gate AUROC
+    0.973 -> 0.977 with nomic, 0.960 -> 0.964 with MiniLM)."""
+
+    tool: np.ndarray
+    none: np.ndarray
+    tool_k: np.ndarray
+    none_k: np.ndarray
+    vote_k: np.ndarray
+
+
+def neighbourhood(vectors: np.ndarray, known: Known, exclude_self: bool = False, high: np.ndarray | None = None) -> Neighbourhood:
+    n = len(vectors)
+    st = similarities(vectors, known.tool, exclude_self, high, known.tool_high) if len(known.tool) else np.full((n, 0), -1.0)
+    sn = similarities(vectors, known.none, exclude_self, high, known.none_high) if len(known.none) else np.full((n, 0), -1.0)
+
+    def best(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not s.shape[1]:
+            return np.zeros(n), np.zeros(n)
+        k = min(NEIGHBOURS, s.shape[1])
+        top = -np.partition(-s, k - 1, axis=1)[:, :k]
+        return s.max(axis=1), top.mean(axis=1)
+
+    (tool, tool_k), (none, none_k) = best(st), best(sn)
+    both = np.hstack([st, sn])
+    k = min(NEIGHBOURS, both.shape[1])
+    vote = (np.argpartition(-both, k - 1, axis=1)[:, :k] < st.shape[1]).mean(axis=1) if k else np.zeros(n)
+    return Neighbourhood(tool, none, tool_k, none_k, vote)
 
 
 def gate_features(
@@ -293,8 +335,7 @@ def gate_features(
     llm: np.ndarray,
     high: np.ndarray,
     vectors: np.ndarray,
-    near_tool: np.ndarray,
-    near_none: np.ndarray,
+    near: Neighbourhood,
     classifier: np.ndarray | None = None,
     negative: np.ndarray | None = None,
     names: Sequence[str] = GATE_SCALARS,
@@ -310,7 +351,8 @@ def gate_features(
     else:
         scal = [np.zeros(n)] * 6
     clf = np.exp(classifier.max(axis=1)) if classifier is not None and classifier.shape[1] and classifier.any() else np.zeros(n)
-    scal += [llm, near_tool, near_none, near_tool - near_none, high, clf, np.zeros(n) if negative is None else negative]
+    scal += [llm, near.tool, near.none, near.tool - near.none, high, clf, np.zeros(n) if negative is None else negative,
+             near.tool_k, near.none_k, near.tool_k - near.none_k, near.vote_k]  # fmt: skip
     by_name = dict(zip(GATE_SCALARS, scal))
     return np.hstack([np.stack([by_name[k] for k in names], axis=1), vectors]).astype(np.float64)
 

@@ -28,7 +28,7 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Screen, Thresholds, Timing, judge, screen
 from .index import ToolIndex
-from .learned import GATE_SCALARS, GateHead, Known, Ranker, adapt, classifier_view, gate_features, nearest, rank_features
+from .learned import GATE_SCALARS, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, open_store
@@ -272,8 +272,7 @@ class Pipeline:
             llm,
             high,
             vectors,
-            nearest(vectors, known.tool, exclude_self, path, known.tool_high),
-            nearest(vectors, known.none, exclude_self, path, known.none_high),
+            neighbourhood(vectors, known, exclude_self, path),
             np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
             np.array([s.negative for s in screens], float),
             names or (self.head.features if self.head is not None else GATE_SCALARS),

@@ -137,6 +137,8 @@ class Connection:
         self._room.set()
 
     def send(self, msg: p.ServerMessage) -> None:
+        if self._closing is not None or self.writer.done():  # nothing more will go out
+            return
         if self.outbox.qsize() >= self.cap:
             self._too_slow(f"{self.outbox.qsize()} messages queued")
             return
@@ -169,15 +171,21 @@ class Connection:
                 # awaits the socket's flow control: a client that reads promptly keeps this short
                 await asyncio.wait_for(self.ws.send(data, text=True), self.send_timeout)
             except ConnectionClosed:
-                self._discard()
+                self._gone()
                 return
             except TimeoutError:
                 self._too_slow(f"no message taken for {self.send_timeout:g} s")
-                self._discard()
+                self._gone()
                 return
             finally:
                 self.outbox.task_done()
             self._room.set()
+
+    def _gone(self) -> None:
+        """Nothing more can be sent: drop what is queued and let a reader paused on a full
+        outbox run on, to see the close and end the connection (paused, it never would)."""
+        self._discard()
+        self.unthrottle()
 
     def _discard(self) -> None:
         while not self.outbox.empty():

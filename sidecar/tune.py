@@ -172,6 +172,8 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     hi, fb = live & (path == "high"), live & (path == "fallback")
     grid_h = _cuts(score[hi]) if hi.any() else np.array([1.0])
     grid_f = _cuts(score[fb]) if fb.any() else np.array([1.0])
+    if hi.any() and fb.any():  # the fallback may sit at any high bar (see below)
+        grid_f = np.union1d(grid_f, grid_h)
     # fired[h, f, item] without materialising the cube: per path, items over each threshold.
     over_h = score[None, :] >= grid_h[:, None]  # (H, n)
     over_f = score[None, :] >= grid_f[:, None]  # (F, n)
@@ -181,6 +183,11 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     ok = (over_h & hi & correct).sum(1)[:, None] + (over_f & fb & correct).sum(1)[None, :]
     objective = msgspec.structs.replace(objective, positive_share=float(n_pos / (n_pos + n_neg)))
     value = objective.better(tp / n_pos, fp / n_neg)
+    # A high-confidence pattern is evidence for a tool: its bar is never above the fallback's
+    # (unconstrained, the corpus's search spent the FP budget on the fallback path and set the
+    # high bar at 0.80 over a fallback of 0.79: the opposite of what the pattern means).
+    if hi.any() and fb.any():
+        value = np.where(grid_h[:, None] <= grid_f[None, :] + 1e-9, value, -np.inf)
     if not np.isfinite(value).any():
         return None
     # lexicographic: objective, then right-tool count, then higher thresholds
@@ -365,16 +372,28 @@ def fit(
 def _folds(items: Sequence[Labeled], nearest: Sequence[str], seed: int) -> np.ndarray:
     """A fold per item: whole servers per fold when the positives span at least FOLDS servers
     (a calibration meets catalogs it has not seen), else at random. A text that needs no tool
-    goes with the server of its `nearest` tool: a question about Jira epics belongs with the
-    Jira requests, since a new catalog's near misses come with its tools."""
+    goes with its `group` (the server it was written about: a question about Jira epics
+    belongs with the Jira requests, since a new catalog's near misses come with its tools);
+    in a set that names no groups, with the server of its `nearest` tool; in a set that names
+    some, a text without one is talk of no server's (small talk, thanks) and takes a random
+    fold, as it comes with every catalog."""
     rng = np.random.default_rng(seed)
     random = rng.integers(0, FOLDS, len(items))
     servers = sorted({server_of(min(i.expected)) for i in items if i.positive and SEP in min(i.expected)})
     if len(servers) < FOLDS:  # one server's tools (an intent set): the tools are the ones it will meet
         return random
-    fold_of = dict(zip(servers, rng.permutation(len(servers)) % FOLDS))
-    owner = [server_of(min(i.expected)) if i.positive else server_of(t) for i, t in zip(items, nearest)]
-    return np.array([fold_of.get(o, r) for o, r in zip(owner, random)])
+    grouped = any(i.group for i in items)
+    owners = sorted({*servers, *(i.group for i in items if i.group)})
+    fold_of = dict(zip(owners, rng.permutation(len(owners)) % FOLDS))
+
+    def owner(item: Labeled, near: str) -> str | None:
+        if item.group:
+            return item.group
+        if item.positive:
+            return server_of(min(item.expected))
+        return None if grouped else server_of(near)
+
+    return np.array([fold_of.get(owner(i, t), r) for i, t, r in zip(items, nearest, random)])
 
 
 def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Sequence[Sequence[int]], rows: np.ndarray) -> Ranker:

@@ -236,3 +236,17 @@ def test_a_key_the_doc_misses_is_caught(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(globals(), "sections", grown)
     with pytest.raises(AssertionError, match=r"\[model\]: undocumented \['batch_size'\]"):
         test_every_key_of_every_section_has_a_row()
+
+
+def test_the_documented_gate_thresholds_are_the_built_in_calibrations():
+    """Refitting a built-in calibration moves its thresholds; the [gate] rows say which."""
+    from sidecar import calibration
+
+    rows = documented()["gate"]
+    cals = {m: calibration.read(ROOT / "sidecar" / "calibrations" / f"{m}.json").thresholds
+            for m in ("nomic-embed-text-v1.5", "all-minilm-l6-v2")}  # fmt: skip
+    for key in ("high", "fallback", "auto", "confirm"):
+        said = re.search(r"nomic ([0-9.]+), MiniLM ([0-9.]+)", rows[key][2])
+        assert said, f"[gate] {key}: the default cell names no calibration values"
+        have = (getattr(cals["nomic-embed-text-v1.5"], key), getattr(cals["all-minilm-l6-v2"], key))
+        assert (float(said.group(1)), float(said.group(2))) == pytest.approx(have, abs=5e-5), f"[gate] {key}: doc {said.groups()}, calibrations {have}"

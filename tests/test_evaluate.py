@@ -88,6 +88,26 @@ def test_fit_gate_meets_the_fp_budget_and_beats_any_single_threshold():
     assert tighter.fp_rate <= 0.01 and tighter.tp_rate <= fit.tp_rate
 
 
+def test_a_high_pattern_never_gets_a_higher_bar_than_the_fallback():
+    """On the high path the negatives sit right under the positives and the fallback's are far
+    below: unconstrained, the FP budget is best spent by a high bar above the fallback's,
+    the opposite of what a high-confidence pattern means."""
+    rng = np.random.default_rng(4)
+    path, score, positive = [], [], []
+    for i in range(400):
+        pos, high = i % 2 == 0, i % 4 < 2
+        path.append("high" if high else "fallback")
+        score.append(round(float(rng.normal((0.80 if pos else 0.72) if high else (0.60 if pos else 0.30), 0.04)), 2))  # midpoints exact at 4 places
+        positive.append(pos)
+    s = tune.GateScores(path, score, positive, positive, [None] * len(path))
+    fit = tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False)
+    assert fit.thresholds.high <= fit.thresholds.fallback and fit.fp_rate <= 0.05
+    # the same data with no fallback texts: the high bar is free
+    only = [k for k, p in enumerate(path) if p == "high"]
+    alone = tune.fit_gate(s.subset(only), tune.Objective("max_tp", 0.05), per_tool=False)
+    assert alone.thresholds.high > 0.75
+
+
 def test_tools_with_enough_data_get_their_own_thresholds_and_the_gate_uses_them():
     """Tool "loud" scores high for everything (its phrases sound like small talk), so the
     model-wide fallback must sit above its negatives; the quieter tools separate far lower,
@@ -263,3 +283,37 @@ def test_stacking_folds_hold_out_whole_servers_and_put_talk_with_its_nearest_ser
     intents = [Labeled(f"want {k} {j}", f"intent{k}") for k in range(3) for j in range(20)]
     random = tune._folds(intents, [""] * len(intents), seed=3)
     assert len({int(f) for f, i in zip(random, intents) if i.expected == {"intent0"}}) > 1
+
+
+def test_stacking_folds_follow_named_groups():
+    """A set that names what its texts were written about: a group's texts share a fold even
+    when their nearest tool is another server's, and talk of no group spreads over the folds."""
+    servers = [f"s{k}" for k in range(7)]
+    items = [Labeled(f"ask {s} {j}", f"{s}__tool{j % 2}", group=s) for s in servers for j in range(4)]
+    about = [Labeled(f"talk about {s}", None, group=s) for s in servers]
+    chat = [Labeled(f"small talk {j}", None) for j in range(60)]
+    nearest = [""] * len(items) + [f"{servers[(k + 1) % 7]}__tool0" for k in range(7)] + ["s0__tool0"] * len(chat)
+    folds = tune._folds(items + about + chat, nearest, seed=3)
+    fold_of = {s: int(f) for item, f in zip(items, folds) for s in [item.group]}
+    assert all(int(f) == fold_of[item.group] for item, f in zip(about, folds[len(items):]))
+    assert len({int(f) for f in folds[len(items) + len(about):]}) == tune.FOLDS
+
+
+def test_neighbourhood_counts_the_nearest_twenty_and_the_share_of_requests_among_them():
+    """One stray request beside a text does not make its region a tool region: the best
+    cosine says "tool", the k-mean and the vote say "talk"."""
+    rng = np.random.default_rng(2)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    centre = unit(rng.normal(size=16))
+    talk = unit(centre + 0.3 * rng.normal(size=(40, 16)))
+    requests = unit(-centre + 0.3 * rng.normal(size=(40, 16)))
+    stray = unit(centre + 0.01 * rng.normal(size=(1, 16)))
+    known = learned.Exemplars.of(np.vstack([requests, stray]), talk).arrays()
+    near = learned.neighbourhood(centre[None, :], known)
+    assert near.tool[0] > near.none[0]  # the stray request is the single nearest text
+    assert near.tool_k[0] < near.none_k[0]
+    assert near.vote_k[0] == pytest.approx(1 / learned.NEIGHBOURS)
+    far = learned.neighbourhood(-centre[None, :], known)
+    assert far.vote_k[0] == pytest.approx(1.0) and far.tool_k[0] > far.none_k[0]
+    empty = learned.neighbourhood(centre[None, :], learned.Exemplars.of(requests[:0], talk[:0]).arrays())
+    assert empty.vote_k.tolist() == [0.0] and empty.tool.tolist() == [0.0]

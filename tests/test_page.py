@@ -51,9 +51,9 @@ async def sidecar(tmp_path: pathlib.Path):
     its own origin; yields its port."""
     port = free_port()
     cfg = tmp_path / "sidecar.toml"
-    # auto pinned between the reply's two fired clauses (about 0.95 and 0.87 today), so it
+    # auto pinned between the reply's two fired clauses (about 0.985 and 0.937 today), so it
     # yields one card of each tier even if a refit moves the calibration's own threshold
-    cfg.write_text(f'[server]\ntoken = "{SECRET}"\norigins = ["http://127.0.0.1:{port}"]\n\n[gate]\nauto = 0.9\n')
+    cfg.write_text(f'[server]\ntoken = "{SECRET}"\norigins = ["http://127.0.0.1:{port}"]\n\n[gate]\nauto = 0.96\n')
     proc, url, lines, drain = await _serve(tmp_path, "--config", str(cfg), "--port", str(port))
     assert url == f"ws://127.0.0.1:{port}", lines
     try:

@@ -141,7 +141,7 @@ def _cli(*args: str, tmp_path, stdin: str | None = None) -> subprocess.Completed
 
 
 def test_cli_detect_json(tmp_path):
-    run = _cli("detect", "--json", "--catalog", str(NOTES), "please create a note: buy milk", tmp_path=tmp_path)
+    run = _cli("detect", "--json", "--catalog", str(NOTES), "please create a new note: the deploy is on friday", tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["model"] == models.DEFAULT_MODEL and out["thresholds_origin"] == "builtin"
