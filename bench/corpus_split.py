@@ -31,10 +31,12 @@ def grouped(line: str, server: str, held: set[str] = frozenset()) -> str | None:
     item = json.loads(line)
     expect = item["expect"]
     if expect is not None:
-        keep = [t for t in ([expect] if isinstance(expect, str) else expect) if t.split("__")[0] not in held]
+        listed = [expect] if isinstance(expect, str) else expect
+        keep = [t for t in listed if t.split("__")[0] not in held]
         if not keep:
             return None
-        item["expect"] = expect if keep == ([expect] if isinstance(expect, str) else expect) else keep[0] if len(keep) == 1 else keep
+        if keep != listed:
+            item["expect"] = keep[0] if len(keep) == 1 else keep
     return json.dumps(item | {"group": server}, ensure_ascii=False)
 
 

@@ -283,14 +283,6 @@ def similarities(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool 
     return sims
 
 
-def nearest(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,
-            exemplar_high: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
-    """Each vector's best cosine to the exemplars that count (see `similarities`)."""
-    if not len(exemplars):
-        return np.zeros(len(vectors), np.float32)
-    return similarities(vectors, exemplars, exclude_self, high, exemplar_high).max(axis=1)
-
-
 NEIGHBOURS = 20  # the k of the k-nearest-exemplar features
 
 
@@ -310,8 +302,8 @@ class Neighbourhood(NamedTuple):
 
 def neighbourhood(vectors: np.ndarray, known: Known, exclude_self: bool = False, high: np.ndarray | None = None) -> Neighbourhood:
     n = len(vectors)
-    st = similarities(vectors, known.tool, exclude_self, high, known.tool_high) if len(known.tool) else np.full((n, 0), -1.0)
-    sn = similarities(vectors, known.none, exclude_self, high, known.none_high) if len(known.none) else np.full((n, 0), -1.0)
+    st = similarities(vectors, known.tool, exclude_self, high, known.tool_high)
+    sn = similarities(vectors, known.none, exclude_self, high, known.none_high)
 
     def best(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not s.shape[1]:

@@ -172,7 +172,8 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     hi, fb = live & (path == "high"), live & (path == "fallback")
     grid_h = _cuts(score[hi]) if hi.any() else np.array([1.0])
     grid_f = _cuts(score[fb]) if fb.any() else np.array([1.0])
-    if hi.any() and fb.any():  # the fallback may sit at any high bar (see below)
+    both_paths = hi.any() and fb.any()
+    if both_paths:  # the fallback may sit at any high bar (see below)
         grid_f = np.union1d(grid_f, grid_h)
     # fired[h, f, item] without materialising the cube: per path, items over each threshold.
     over_h = score[None, :] >= grid_h[:, None]  # (H, n)
@@ -186,7 +187,7 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     # A high-confidence pattern is evidence for a tool: its bar is never above the fallback's
     # (unconstrained, the corpus's search spent the FP budget on the fallback path and set the
     # high bar at 0.80 over a fallback of 0.79: the opposite of what the pattern means).
-    if hi.any() and fb.any():
+    if both_paths:
         value = np.where(grid_h[:, None] <= grid_f[None, :] + 1e-9, value, -np.inf)
     if not np.isfinite(value).any():
         return None

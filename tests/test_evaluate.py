@@ -222,10 +222,10 @@ def test_nearest_exemplar_is_looked_for_on_the_texts_own_path():
     assert known.none_high.tolist() == [False, True] and known.tool_high.tolist() == [True]
     q = np.vstack([e[1], e[1]])
     high = np.array([1.0, 0.0])
-    assert learned.nearest(q, known.none).tolist() == pytest.approx([1.0, 1.0])  # paths not given: all
-    assert learned.nearest(q, known.none, False, high, known.none_high).tolist() == pytest.approx([0.0, 1.0])
-    assert learned.nearest(q, known.tool, False, high, known.tool_high).tolist() == pytest.approx([0.0, 0.0])  # no own path: all
-    assert learned.nearest(q, known.none, False, np.array([1.0, np.nan]), known.none_high).tolist() == pytest.approx([0.0, 1.0])  # NaN: all
+    assert learned.neighbourhood(q, known).none.tolist() == pytest.approx([1.0, 1.0])  # paths not given: all
+    assert learned.neighbourhood(q, known, False, high).none.tolist() == pytest.approx([0.0, 1.0])
+    assert learned.neighbourhood(q, known, False, high).tool.tolist() == pytest.approx([0.0, 0.0])  # no own path: all
+    assert learned.neighbourhood(q, known, False, np.array([1.0, np.nan])).none.tolist() == pytest.approx([0.0, 1.0])  # NaN: all
     old = learned.Exemplars(3, e[:1].astype(np.float16).tobytes(), e[1:].astype(np.float16).tobytes())  # fitted before paths
     assert old.arrays().none_high is None
 
