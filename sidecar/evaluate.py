@@ -243,7 +243,7 @@ class GateBaseline(msgspec.Struct):
 
 def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
-    tool's description with the same model, BM25 and TF-IDF over name + description."""
+    tool's description with the same model, BM25 and TF-IDF over name, description and parameter names."""
     from .index import embed_cached
     from .lexical import LexicalIndex
 

@@ -4,8 +4,9 @@ Three small fitted pieces; the first two are saved in a calibration file:
 
 * `Ranker`: a tool's score for a text is a fitted blend of views of the tool — cosine
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
-  when the catalog has them, else derived ones), and BM25 over name + description scaled by
-  the text's best BM25, and the `Classifier`'s log-probability where the catalog has one —
+  when the catalog has them, else derived ones), BM25 over name, description and parameter
+  names scaled by the text's best BM25, and the `Classifier`'s log-probability where the
+  catalog has one —
   fitted with a listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.
 * `GateHead`: the probability that a text needs a tool: logistic regression (standardised,

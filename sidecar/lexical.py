@@ -1,4 +1,5 @@
-"""Lexical tool search over name + description: BM25 and TF-IDF.
+"""Lexical tool search: BM25 and TF-IDF over a tool's name, title, description and
+parameter names.
 
 What other MCP gateways ship as "tool search", kept here both as a baseline for `eval` and
 as the recommender's lexical mode. Small enough that a dependency would weigh more.
@@ -66,7 +67,20 @@ def _bulk_tokens(texts: Sequence[str]) -> tuple[list[str], np.ndarray]:
 
 
 def tool_text(tool: Tool) -> str:
-    return f"{tool.bare_name} {tool.title or ''} {tool.description}"
+    """What a tool is found by: its name, title, description and its parameters' names. A
+    request names what it supplies ("48.85, 2.29" wants a latitude, "that page" a url), and
+    with the names the ranker's top-1 rose on every set measured, its weights left as they
+    were (nomic: BFCL live 57.6% -> 62.7%, BFCL synthetic 73.1% -> 75.4%, the corpus's
+    held-out servers 66.0% -> 67.0%). The parameters' descriptions rose it a little more on
+    those sets but carry examples ("e.g. 'Asia/Tokyo'") that outscore the tool a request is
+    for ("what time is it in Tokyo" went to convert_time), so they stay out (README, "Quality")."""
+    return " ".join([tool.bare_name, tool.title or "", tool.description, *parameter_names(tool)])
+
+
+def parameter_names(tool: Tool) -> list[str]:
+    """The top-level input parameters' names, in schema order (split into words like any text)."""
+    props = tool.inputSchema.get("properties") if isinstance(tool.inputSchema, dict) else None
+    return [str(name) for name in props] if isinstance(props, dict) else []
 
 
 _SHARED: weakref.WeakKeyDictionary[Catalog, LexicalIndex] = weakref.WeakKeyDictionary()

@@ -75,23 +75,15 @@ class Objective(msgspec.Struct, frozen=True):
         return np.where(fp <= self.max_fp + 1e-12, tp, -np.inf)
 
 
-def best_cut(pos: np.ndarray, neg: np.ndarray) -> tuple[float, float, float, float]:
-    """(threshold, accuracy, tp_rate, fp_rate) of the accuracy-maximising cut `score >= t`."""
-    cands = _cuts(np.concatenate([pos, neg]))
-    tp = (pos[None, :] >= cands[:, None]).mean(axis=1) if len(pos) else np.zeros(len(cands))
-    fp = (neg[None, :] >= cands[:, None]).mean(axis=1) if len(neg) else np.zeros(len(cands))
-    acc = (tp * len(pos) + (1 - fp) * len(neg)) / max(len(pos) + len(neg), 1)
-    i = int(np.argmax(acc))
-    return float(cands[i]), float(acc[i]), float(tp[i]), float(fp[i])
-
-
 def _cuts(scores: np.ndarray) -> np.ndarray:
-    """Candidate thresholds: midpoints between distinct scores, plus both ends."""
-    u = np.unique(np.round(scores, 4))
+    """Candidate thresholds: each distinct score (fire from it up), and one step over the top
+    (fire none). Scores are at the gate's 4 places, so a threshold chosen here is stored as is
+    and fires in `judge` exactly the texts it fired in the search (a midpoint rounded to 4
+    places could fall on either side of a score)."""
+    u = np.unique(scores)
     if not len(u):
         return np.array([0.5])
-    mids = (u[1:] + u[:-1]) / 2
-    return np.concatenate([[u[0] - 1e-3], mids, [u[-1] + 1e-3]])
+    return np.append(u, round(float(u[-1]) + 1e-4, 4))
 
 
 class GateScores(msgspec.Struct):
@@ -102,6 +94,9 @@ class GateScores(msgspec.Struct):
     positive: list[bool]
     correct: list[bool]  # positive and the top tool is an expected one
     tool: list[str | None] = []  # the best candidate (whose per-tool thresholds apply)
+
+    def __post_init__(self) -> None:
+        self.score = [round(float(x), 4) for x in self.score]  # as `judge` compares them
 
     @classmethod
     def from_decisions(cls, items, decisions) -> GateScores:
@@ -157,8 +152,8 @@ def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: 
     tools = _fit_tools(s, objective, h, f) if per_tool else {}
     if tools:
         confirm = min([confirm, *(v for t in tools.values() for v in (t.high, t.fallback) if v is not None)])
-    t = Thresholds(high=round(h, 4), fallback=round(f, 4), auto=1.0, confirm=round(confirm, 4), tools=tools)
-    t = msgspec.structs.replace(t, auto=round(_auto_cut(s, t, auto_precision), 4))
+    t = Thresholds(high=h, fallback=f, auto=1.0, confirm=confirm, tools=tools)
+    t = msgspec.structs.replace(t, auto=_auto_cut(s, t, auto_precision))
     return rates(s, t)
 
 
@@ -215,9 +210,9 @@ def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float
         found = _search_pair(sub, objective)
         if found is None:
             continue
-        h = round(found[0], 4) if "high" in sub.path else None
-        f = round(found[1], 4) if "fallback" in sub.path else None
-        own = ToolThresholds(h if h != round(high, 4) else None, f if f != round(fallback, 4) else None)
+        h = found[0] if "high" in sub.path else None
+        f = found[1] if "fallback" in sub.path else None
+        own = ToolThresholds(h if h != high else None, f if f != fallback else None)
         if own.high is not None or own.fallback is not None:
             out[tool] = own
     return out

@@ -317,3 +317,17 @@ def test_neighbourhood_counts_the_nearest_twenty_and_the_share_of_requests_among
     assert far.vote_k[0] == pytest.approx(1.0) and far.tool_k[0] > far.none_k[0]
     empty = learned.neighbourhood(centre[None, :], learned.Exemplars.of(requests[:0], talk[:0]).arrays())
     assert empty.vote_k.tolist() == [0.0] and empty.tool.tolist() == [0.0]
+
+
+def test_fitted_thresholds_fire_in_judge_exactly_what_they_fired_in_the_search():
+    """`judge` compares a probability rounded to 4 places. Requests at 0.70006 (0.7001 as the
+    gate sees it) and texts needing none at 0.70004 (0.7000): the only bar that keeps the FP
+    budget is 0.7001; a midpoint between them, rounded, is 0.7 and would let all of them in."""
+    score = [0.70006] * 20 + [0.70004] * 20
+    positive = [True] * 20 + [False] * 20
+    s = tune.GateScores(["fallback"] * 40, score, positive, positive, [None] * 40)
+    fit = tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False)
+    assert fit.tp_rate == 1.0 and fit.fp_rate == 0.0
+    fired = [gate.judge("x", "user", gate.Screen("fallback"), [gate.Candidate("t", 0.5, "c")], fit.thresholds, gate.Timing(), p).fired
+             for p in score]  # fmt: skip
+    assert fired == positive, fit.thresholds

@@ -149,3 +149,21 @@ def test_the_store_keeps_the_latest_catalogs_only(real, tmp_path):
     assert store.query("SELECT count(*) FROM lexical_index")[0][0] == KEEP
     assert LexicalIndex.stored(Catalog(list(real)[KEEP + 2 : KEEP + 42]), store).origin == "store"  # the newest stayed
     assert LexicalIndex.stored(Catalog(list(real)[0:40]), store).origin == "built"  # the oldest went
+
+
+def test_a_tool_is_found_by_its_parameter_names():
+    """filesystem's edit_file is the one tool with a `dryRun` parameter, and neither its
+    description nor any other tool's text says "dry": a request for a dry run finds it by
+    the parameter alone."""
+    cat = catalog_mod.load([CATALOGS / "filesystem.json"])
+    edit = cat.get("edit_file")
+    assert "dryRun" in edit.inputSchema["properties"] and "dry" not in edit.description.lower()
+    assert "dryRun" in tool_text(edit)
+    for kind in ("bm25", "tfidf"):
+        ranked = LexicalIndex(cat, kind).rank("preview the edits as a dry run first", 3)
+        assert ranked[0][0] == "edit_file", (kind, ranked)
+    # a schema without properties (or a broken one) adds nothing and breaks nothing
+    bare = Tool("ping", "Check the server answers.", {"type": "object"})
+    odd = Tool("odd", "Odd schema.", {"type": "object", "properties": ["not", "a", "mapping"]})
+    assert tool_text(bare).split() == ["ping", "Check", "the", "server", "answers."]
+    assert "mapping" not in tool_text(odd)
