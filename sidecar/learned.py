@@ -351,17 +351,38 @@ def gate_features(
 
 
 def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 100.0,
-                  iters: int = 600, lr: float = 0.5, features: Sequence[str] = GATE_SCALARS) -> GateHead:  # fmt: skip
-    """L2-regularised logistic regression by gradient descent on standardised features. The
-    embedding's many weights get a much stronger penalty than the few catalog-independent
-    scalars: what a labelled corpus's topics say about "needs a tool" does not carry to
-    another catalog's topics, what the scores say does."""
+                  iters: int = 1800, lr: float = 0.5, features: Sequence[str] = GATE_SCALARS) -> GateHead:  # fmt: skip
+    """L2-regularised logistic regression by gradient descent on standardised features, at a
+    step the data's curvature allows (`_smoothness`; 1,800 steps at it end where 600 at the old
+    fixed step did on the corpus: held-out TP 84.9% vs 85.1%, FP 3.7% vs 3.8%). The embedding's
+    many weights get a much stronger penalty than the few catalog-independent scalars: what a
+    labelled corpus's topics say about "needs a tool" does not carry to another catalog's
+    topics, what the scores say does."""
     mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
     z = (x - mu) / sd
     w, b, n = np.zeros(x.shape[1]), 0.0, len(y)
     l2 = np.where(np.arange(x.shape[1]) < len(features), l2, l2_embedding)
+    lr = min(lr, 1.0 / _smoothness(z, float(l2.max())))
     for _ in range(iters):
         p = 1.0 / (1.0 + np.exp(-(z @ w + b)))
         w -= lr * (z.T @ (p - y) / n + l2 * w / n)
         b -= lr * float((p - y).mean())
     return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars, list(features))
+
+
+def _smoothness(z: np.ndarray, l2: float, steps: int = 30) -> float:
+    """An estimate of the logistic loss's curvature L on `z` (a quarter of the largest
+    eigenvalue of z'z/n, by power iteration, plus the L2 term). Steps of at most 1/L always
+    descend; the fixed step of 0.5 used before was 3.7/L on the corpus (it still settled) and
+    9/L on a tune of 16 texts, where it overflowed: out-of-fold probabilities of exactly 0 or
+    1 and thresholds fitted on nothing."""
+    n = len(z)
+    v = np.random.default_rng(0).standard_normal(z.shape[1])
+    top = 0.0
+    for _ in range(steps):
+        u = z.T @ (z @ v) / n
+        top = float(np.linalg.norm(u))
+        if top == 0.0:
+            break
+        v = u / top
+    return 0.25 * top * 1.05 + l2 / n + 1e-9  # 5% over the power iteration's estimate from below

@@ -77,13 +77,14 @@ class Objective(msgspec.Struct, frozen=True):
 
 def _cuts(scores: np.ndarray) -> np.ndarray:
     """Candidate thresholds: each distinct score (fire from it up), and one step over the top
-    (fire none). Scores are at the gate's 4 places, so a threshold chosen here is stored as is
-    and fires in `judge` exactly the texts it fired in the search (a midpoint rounded to 4
-    places could fall on either side of a score)."""
+    (fire none) where thresholds reach: a score of 1 cannot be left out. Scores are at the
+    gate's 4 places, so a threshold chosen here is stored as is and fires in `judge` exactly
+    the texts it fired in the search (a midpoint rounded to 4 places could fall on either
+    side of a score)."""
     u = np.unique(scores)
     if not len(u):
         return np.array([0.5])
-    return np.append(u, round(float(u[-1]) + 1e-4, 4))
+    return np.unique(np.append(u, min(round(float(u[-1]) + 1e-4, 4), 1.0)))  # thresholds live in [-1, 1]
 
 
 class GateScores(msgspec.Struct):
@@ -190,7 +191,7 @@ def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | N
     key = np.stack(np.broadcast_arrays(value, ok, grid_h[:, None] + grid_f[None, :]), -1).reshape(-1, 3)
     best = np.lexsort((key[:, 2], key[:, 1], key[:, 0]))[-1]
     h, f = grid_h[best // len(grid_f)], grid_f[best % len(grid_f)]
-    return float(np.clip(h, -1, 1)), float(np.clip(f, -1, 1))
+    return float(h), float(f)
 
 
 def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float) -> dict[str, ToolThresholds]:

@@ -331,3 +331,15 @@ def test_fitted_thresholds_fire_in_judge_exactly_what_they_fired_in_the_search()
     fired = [gate.judge("x", "user", gate.Screen("fallback"), [gate.Candidate("t", 0.5, "c")], fit.thresholds, gate.Timing(), p).fired
              for p in score]  # fmt: skip
     assert fired == positive, fit.thresholds
+
+
+def test_a_threshold_search_that_can_only_meet_its_bound_over_1_says_so():
+    """Texts needing none at probability 1.0 cannot be left out by any threshold (they reach
+    1 at most): the search must not pick "fire none" at 1.0001 and store 1.0, which fires
+    them all while reporting none."""
+    score = [0.9] * 10 + [1.0] * 10
+    positive = [True] * 10 + [False] * 10
+    s = tune.GateScores(["fallback"] * 20, score, positive, positive, [None] * 20)
+    with pytest.raises(ValueError, match="no thresholds meet"):
+        tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False)
+    assert tune.fit_gate(s, tune.Objective("balanced"), per_tool=False).thresholds.fallback <= 1.0

@@ -134,3 +134,19 @@ def test_eval_names_the_bad_line(tmp_path):
     run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", bad, tmp_path=tmp_path)
     assert run.returncode == 2
     assert f"{bad}:2: expected tool(s) not in the catalog: no_such_tool" in run.stderr
+
+
+def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_path):
+    """8 requests and 8 texts needing none, hundreds of embedding dimensions: the gate head's
+    gradient descent must not overshoot (it did at a fixed step: 15 of 16 out-of-fold
+    probabilities came out exactly 0 or 1, and thresholds of 1.0 fired 75% of the negatives)."""
+    from sidecar import catalog as catalog_mod
+    from sidecar import config, tune
+    from sidecar.evaluate import Labeled
+
+    items = [Labeled(t, e, s) for t, e, s in POSITIVES[::2][:8]] + [Labeled(t, None, s) for t, s in NEGATIVES[::2][:8]]
+    cfg = config.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("store",): str(tmp_path / "sidecar.db")})
+    fitted = tune.fit(items, catalog_mod.load([NOTES]), cfg, tune.Objective(), heldout_fraction=0.0)
+    scores = fitted.gate_scores.score
+    assert all(0.0 < p < 1.0 for p in scores), scores
+    assert fitted.fit.fp_rate <= 0.05 and fitted.fit.tp_rate > 0.5, fitted.fit
