@@ -343,3 +343,17 @@ def test_a_threshold_search_that_can_only_meet_its_bound_over_1_says_so():
     with pytest.raises(ValueError, match="no thresholds meet"):
         tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False)
     assert tune.fit_gate(s, tune.Objective("balanced"), per_tool=False).thresholds.fallback <= 1.0
+
+
+def test_a_shared_threshold_is_one_bar_for_both_paths_within_the_budget():
+    s = _scores(seed=5, n=400)
+    shared = tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False, shared=True)
+    t = shared.thresholds
+    assert t.high == t.fallback == t.confirm and shared.fp_rate <= 0.05
+    # it is the best single bar: no other value of one threshold for both paths does better
+    for cut in np.unique(np.round(s.score, 4)):
+        one = tune.rates(s, Thresholds(high=float(cut), fallback=float(cut), auto=1.0, confirm=float(cut)))
+        if one.fp_rate <= 0.05:
+            assert shared.tp_rate >= one.tp_rate - 1e-9
+    # and the pair search, with one more degree of freedom, is at least as good on the same texts
+    assert tune.fit_gate(s, tune.Objective("max_tp", 0.05), per_tool=False).tp_rate >= shared.tp_rate

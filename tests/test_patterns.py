@@ -119,11 +119,24 @@ def test_llm_narration_in_the_present(text, fires):
         ("Let me look it up in the docs.", "high:let_me"),
         ("I'm going to pull the deploy logs up.", "high:first_person"),
         ("I'll bring it up at the next meeting.", "fallback"),  # not a verb that takes its particle late
-        ("Let me look at this from another angle.", "fallback"),  # no particle
+        ("Let me look this over once more.", "fallback"),  # not one of its particles
         ("I'll jot all of the numbers from the meeting down", "fallback"),  # the object is at most three words
     ],
 )
 def test_a_separable_verb_takes_its_particle_after_a_short_object(text, path):
+    assert gate.screen(text, "llm", patterns.load_dir()).path == path
+
+
+@pytest.mark.parametrize(
+    "text,path",
+    [
+        ("Okay, I'm going to look at the recent commit history.", "high:first_person"),
+        ("Let me look through my notes for what we decided about the rollout.", "high:let_me"),
+        ("I'll look into why the build is failing.", "high:first_person"),
+        ("Look at how nicely this reads.", "fallback"),  # an imperative to the reader, no first person
+    ],
+)
+def test_looking_at_something_announces_an_action(text, path):
     assert gate.screen(text, "llm", patterns.load_dir()).path == path
 
 
