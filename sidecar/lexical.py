@@ -79,7 +79,7 @@ def tool_text(tool: Tool) -> str:
 
 def parameter_names(tool: Tool) -> list[str]:
     """The top-level input parameters' names, in schema order (split into words like any text)."""
-    props = tool.inputSchema.get("properties") if isinstance(tool.inputSchema, dict) else None
+    props = tool.inputSchema.get("properties")
     return [str(name) for name in props] if isinstance(props, dict) else []
 
 

@@ -135,7 +135,7 @@ def test_a_tool_added_by_list_changed_reaches_a_session_started_before(tmp_path)
     servers = {"changer": {"command": sys.executable, "args": [str(CHANGER)]}, "time": TIME}
 
     async def body():
-        # MiniLM's built-in bar (0.72) sits just over this text (0.69-0.71): arithmetic reads
+        # MiniLM's built-in bar (0.83) sits over this text (0.69-0.71): arithmetic reads
         # to its gate head as something a model does itself.
         async with serving(tmp_path, servers, gate_bar=0.5) as server:
             pipe = server.engine.pipeline
