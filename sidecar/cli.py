@@ -4,7 +4,11 @@ builds a Config, calls the library, and prints; nothing here decides anything.""
 from __future__ import annotations
 
 import argparse
+import collections
+import os
+import pathlib
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -223,13 +227,36 @@ def _progress_bar(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, disable=not enabled, leave=False)
 
 
+def _writable(path: str | None) -> None:
+    """Refuse an output path that cannot be written before any work is done (a model load, a
+    fit), rather than after it; the file itself is only written once there is something to write."""
+    if not path:
+        return
+    target = pathlib.Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise OSError(f"{path}: is a directory")
+    if not folder.is_dir():
+        raise OSError(f"{path}: no such directory: {folder}")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise OSError(f"{path}: not writable")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from . import evaluate
     from .engine import Sidecar
 
+    _writable(args.items)
     engine = Sidecar.open(_config(args), progress=True, history=False)  # a labelled set has no call history
     items = evaluate.read_labeled(args.labeled, engine.catalog)
-    report = evaluate.evaluate(engine, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"))
+    scored = evaluate.score(engine, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"))
+    report = evaluate.report(engine, items, scored)
+    if args.items:
+        rows = evaluate.outcomes(items, scored)
+        with open(args.items, "wb") as out:
+            out.writelines(msgspec.json.encode(row) + b"\n" for row in rows)
+        tally = collections.Counter(row.verdict for row in rows)
+        print(f"{len(rows)} items written to {args.items}: " + ", ".join(f"{v.replace('_', ' ')} {tally[v]}" for v in typing.get_args(evaluate.Verdict)), file=sys.stderr)
     if args.json:
         _print_json(report)
     else:
@@ -279,6 +306,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     objective = tune.Objective.parse(args.objective)
+    _writable(args.out)
+    _writable(args.plot)
     if args.plot:
         from . import plot
 
@@ -466,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--labeled", metavar="FILE", required=True, help='JSONL: {"text", "expect": tool|[tools]|null, "source"}')
     p.add_argument("--json", action="store_true")
+    p.add_argument("--items", metavar="FILE", help="also write one JSON line per item: its verdict (right, wrong_tool, missed, "
+                   "false_fire, silent), the gate's probability and path, the tool injected first, the expected tool's rank")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("cascade", help="fit the cascade's cutoff: the screen probability under which a text is settled as no tool")

@@ -268,17 +268,26 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     return out, gate
 
 
-def evaluate(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Report:
-    """Gate figures over every item; ranking figures over the positives: what the sidecar
-    injects first (the engine's recommender, history-neutral unless it has a metrics store),
-    the ranker alone, and the baselines of `baselines`."""
+class Scored(msgspec.Struct):
+    """What the sidecar made of each item: the gate's decision, the tool it injects (or would,
+    had it fired) first, and for positives the ranker's and the recommender's rankings."""
+
+    decisions: list[Decision]
+    first: list[str | None]
+    ranker: list[list[str]]  # positives only, in item order
+    ranked: list[list[str]]  # positives only: what would be injected, best first
+
+
+def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Scored:
+    """Run every item through the engine as `serve` would: the gate over every item, the
+    ranking (the engine's recommender, history-neutral unless it has a metrics store) over
+    the positives."""
     from .engine import Judgement
     from .pipeline import Request
 
     pipe = engine.pipeline
     tick = bar.update if bar is not None else None
     decisions, vectors = judged(pipe, items, on_batch=tick)
-    positives = [i for i in items if i.positive]
     ranker: list[list[str]] = []
     ranked: list[list[str]] = []
     first: list[str | None] = []
@@ -295,23 +304,72 @@ def evaluate(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -
             tick(1)
     if bar is not None:
         bar.close()
-    strategy = f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}"
+    return Scored(decisions, first, ranker, ranked)
+
+
+def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 10) -> Report:
+    """Gate figures over every item; ranking figures over the positives: what the sidecar
+    injects first, the ranker alone, and the baselines of `baselines`."""
+    pipe = engine.pipeline
+    positives = [i for i in items if i.positive]
+    decisions = scored.decisions
     base, gate_base = baselines(pipe, items, k)
     return Report(
         n=len(items),
         model=pipe.embedder.name + (" +task-prefixes" if pipe.embedder.prefixes else ""),
-        strategy=strategy,
+        strategy=f"user={pipe.strategies['user']} llm={pipe.strategies['llm']}",
         thresholds=msgspec.to_builtins(pipe.thresholds),
         thresholds_origin=pipe.thresholds_origin,
-        gate=gate_report(items, decisions, first),
-        ranking=ranking_report(positives, ranked),
+        gate=gate_report(items, decisions, scored.first),
+        ranking=ranking_report(positives, scored.ranked),
         ranking_by=f"recommender ({engine.recommender.cfg.mode})",
-        ranking_ranker=ranking_report(positives, ranker),
+        ranking_ranker=ranking_report(positives, scored.ranker),
         latency_ms=percentiles([d.timing_ms.total for d in decisions]),
         baselines=base,
         gate_baseline=gate_base,
-        by_source=by_source(items, decisions, first, ranked),
+        by_source=by_source(items, decisions, scored.first, scored.ranked),
     )
+
+
+def evaluate(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Report:
+    return report(engine, items, score(engine, items, k, bar), k)
+
+
+# --- per item ---------------------------------------------------------------------------------
+
+Verdict = Literal["right", "wrong_tool", "missed", "false_fire", "silent"]
+
+
+class Outcome(msgspec.Struct, omit_defaults=True):
+    """One item as the sidecar judged it: what `eval --items` writes, so a miss can be read
+    rather than inferred from a rate."""
+
+    text: str
+    source: str
+    verdict: Verdict  # right: fired with an expected tool first; wrong_tool: fired with another
+    fired: bool
+    probability: float | None  # the gate's score (None: a negative pattern blocked it)
+    path: str
+    expect: list[str] | None = None
+    first: str | None = None  # the tool injected first, or that would have been had it fired
+    rank: int | None = None  # of the best-placed expected tool in the injected ranking (None: not in it)
+    top: list[str] = []  # the injected ranking's first three
+    kind: str | None = None
+    group: str | None = None
+
+
+def outcomes(items: Sequence[Labeled], scored: Scored) -> list[Outcome]:
+    ranked = iter(scored.ranked)
+    out = []
+    for item, d, first in zip(items, scored.decisions, scored.first):
+        if item.positive:
+            order = next(ranked)
+            verdict = ("right" if first in item.expected else "wrong_tool") if d.fired else "missed"
+            rank, expect, top = ranking.first_hit(order, item.expected), sorted(item.expected), order[:3]
+        else:
+            rank, verdict, expect, top = None, "false_fire" if d.fired else "silent", None, []
+        out.append(Outcome(item.text, item.source, verdict, d.fired, d.score, d.path, expect, first, rank, top, item.kind, item.group))
+    return out
 
 
 def describe(r: Report) -> str:

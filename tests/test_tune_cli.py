@@ -71,7 +71,8 @@ def _cli(*args, tmp_path):
 
 
 def test_eval_json_has_every_figure(labeled, tmp_path):
-    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, tmp_path=tmp_path)
+    per_item = tmp_path / "items.jsonl"
+    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--items", per_item, tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["n"] == len(POSITIVES) + len(NEGATIVES)
@@ -85,6 +86,27 @@ def test_eval_json_has_every_figure(labeled, tmp_path):
     assert set(base) == {"cosine", "bm25", "tfidf"} and all(0 <= b["top1"] <= 1 for b in base.values())
     assert out["ranking_ranker"]["top1"] >= base["cosine"]["top1"] - 0.1
     assert 0.5 <= out["gate_baseline"]["auroc"] <= 1
+
+    # --items: one line per item, in order, that adds up to the report's rates
+    rows = [json.loads(line) for line in per_item.read_text().splitlines()]
+    assert [r["text"] for r in rows] == [t for t, *_ in POSITIVES] + [t for t, _ in NEGATIVES]
+    pos, neg = rows[: len(POSITIVES)], rows[len(POSITIVES) :]
+    assert {r["verdict"] for r in pos} <= {"right", "wrong_tool", "missed"} and {r["verdict"] for r in neg} <= {"false_fire", "silent"}
+    assert sum(r["fired"] for r in pos) / len(pos) == pytest.approx(out["gate"]["tp_rate"])
+    assert sum(r["verdict"] == "false_fire" for r in neg) / len(neg) == pytest.approx(out["gate"]["fp_rate"])
+    assert sum(r["verdict"] == "right" for r in pos) / len(pos) == pytest.approx(out["gate"]["correct_rate"])
+    assert sum(r["rank"] == 1 for r in pos) / len(pos) == pytest.approx(out["ranking"]["top1"])
+    for r, (_, expect, _) in zip(pos, POSITIVES):
+        assert r["expect"] == [expect] and (r["rank"] == 1) == (r["top"][0] == expect)
+        assert r["verdict"] != "right" or r["first"] == expect
+    assert all(0 <= r["probability"] <= 1 for r in rows if r["probability"] is not None)
+    assert f"{len(rows)} items written to {per_item}" in run.stderr
+
+
+def test_eval_refuses_an_items_path_it_cannot_write_before_loading_anything(labeled, tmp_path):
+    run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--items", tmp_path / "no" / "such" / "x.jsonl", tmp_path=tmp_path)
+    assert run.returncode == 2 and "no such directory" in run.stderr
+    assert not (tmp_path / "cli.db").exists()  # refused before the store or the model was touched
 
 
 def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
