@@ -316,7 +316,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
-                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr))  # fmt: skip
+                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), start=args.start)  # fmt: skip
     if args.out:
         tune.write_calibration(fitted, args.out)
     if args.plot:
@@ -325,7 +325,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ranker = fitted.calibration.ranker
         _print_json({"calibration": fitted.calibration.thresholds, "ranker": {"weights": ranker.weights, "adapter": ranker.adapter is not None},
                      "objective": fitted.objective,
-                     "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds})  # fmt: skip
+                     "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds,
+                     "start": fitted.start, "starts": fitted.starts})  # fmt: skip
     else:
         print(tune.describe(fitted))
         if args.out:
@@ -517,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start", choices=("auto", "none"), default="auto",
+                   help="auto (default): where the model has a built-in calibration, also try the gate head pooled with its "
+                   "exemplars, and pulled toward its head, keeping what does best out of fold; none: these texts alone")
     p.add_argument("--out", metavar="FILE", help="write the chosen calibration (JSON) for --calibration")
     p.add_argument("--plot", metavar="FILE.png", help="score distributions and the TP/FP sweep")
     p.add_argument("--json", action="store_true")

@@ -213,6 +213,52 @@ def test_gate_head_separates_and_round_trips():
         learned.GateHead(head.mean[:-1], head.scale, head.coef, head.bias, ex)
 
 
+def test_a_head_pulled_toward_a_prior_keeps_what_the_prior_learned_and_data_moves_it():
+    """`prior`: the fit is pulled toward another head's logit, rewritten in this fit's own
+    standardised coordinates (other means and scales). Pulled hard, it gives the prior's
+    probabilities on data it never saw; pulled a little, the new data has its say."""
+    rng = np.random.default_rng(7)
+    dim, k = 6, len(learned.GATE_SCALARS)
+    ex = learned.Exemplars.of(np.eye(dim)[:2], np.eye(dim)[2:4])
+
+    def data(n, shift, scale, direction):
+        x = rng.normal(shift, scale, size=(n, k + dim))
+        return x, (x[:, k + direction] > shift).astype(float)
+
+    x1, y1 = data(400, 0.0, 1.0, 0)  # the prior's data: dimension 0 decides
+    x2, y2 = data(60, 2.0, 3.0, 1)  # a few new texts, elsewhere and spread wider: dimension 1 decides
+    prior = learned.fit_gate_head(x1, y1, ex)
+    probe, _ = data(200, 1.0, 2.0, 0)
+    held = learned.fit_gate_head(x2, y2, ex, l2=1e7, l2_embedding=1e7, prior=prior)
+    assert np.allclose(held.probability(probe), prior.probability(probe), atol=0.02)
+    alone = learned.fit_gate_head(x2, y2, ex)
+    assert not np.allclose(alone.probability(probe), prior.probability(probe), atol=0.1)
+    moved = learned.fit_gate_head(x2, y2, ex, l2=1e-3, l2_embedding=1e-3, prior=prior)
+    p = moved.probability(x2)
+    assert evaluate.auroc(p[y2 == 1], p[y2 == 0]) > 0.95  # weakly held, it learns the new direction
+
+
+def test_exemplars_pool_with_their_paths():
+    e = np.eye(4, dtype=np.float32)
+    a = learned.Exemplars.of(e[:1], e[1:2], np.array([True]), np.array([False]))
+    b = learned.Exemplars.of(e[2:4], e[3:4], np.array([False, True]), np.array([True]))
+    both = a.plus(b).arrays()
+    assert both.tool.shape == (3, 4) and both.none.shape == (2, 4)
+    assert both.tool_high.tolist() == [True, False, True] and both.none_high.tolist() == [False, True]
+    unpathed = learned.Exemplars(4, e[:1].astype(np.float16).tobytes(), e[1:2].astype(np.float16).tobytes())
+    assert a.plus(unpathed).arrays().tool_high is None  # one side without paths: every exemplar counts
+
+
+def test_tune_tries_the_built_in_starts_only_where_a_model_has_them():
+    from sidecar import models
+
+    assert [s.name for s in tune._starts(models.SMALL_MODEL, "auto")] == ["none", "exemplars", "head"]
+    assert [s.name for s in tune._starts(models.SMALL_MODEL, "none")] == ["none"]
+    assert [s.name for s in tune._starts("/models/some-other.gguf", "auto")] == ["none"]
+    with pytest.raises(ValueError, match="unknown start"):
+        tune._starts(models.SMALL_MODEL, "builtin")
+
+
 def test_nearest_exemplar_is_looked_for_on_the_texts_own_path():
     """A text that took a high pattern's path is compared with the exemplars that took it too;
     a path with no exemplar falls back to all of them; the paths survive the file."""

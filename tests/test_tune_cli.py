@@ -118,6 +118,8 @@ def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
     assert out["objective"] == "balanced"
     assert out["fit"]["tp_rate"] > out["fit"]["fp_rate"]  # out of fold: texts the head never saw
     assert len(out["ranker"]["weights"]) == 4 and out["ranker"]["weights"][3] == 0  # no own cases: no classifier view
+    # the model has a built-in calibration: three starts tried out of fold, the best one kept
+    assert list(out["starts"]) == ["none", "exemplars", "head"] and out["starts"][out["start"]] == max(out["starts"].values())
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     fitted = calibration.read(cal)
@@ -168,7 +170,8 @@ def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_
 
     items = [Labeled(t, e, s) for t, e, s in POSITIVES[::2][:8]] + [Labeled(t, None, s) for t, s in NEGATIVES[::2][:8]]
     cfg = config.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("store",): str(tmp_path / "sidecar.db")})
-    fitted = tune.fit(items, catalog_mod.load([NOTES]), cfg, tune.Objective(), heldout_fraction=0.0)
+    fitted = tune.fit(items, catalog_mod.load([NOTES]), cfg, tune.Objective(), heldout_fraction=0.0, start="none")  # the descent itself
+    assert fitted.start == "none" and list(fitted.starts) == ["none"]
     scores = fitted.gate_scores.score
     assert all(0.0 < p < 1.0 for p in scores), scores
     assert fitted.fit.fp_rate <= 0.05 and fitted.fit.tp_rate > 0.5, fitted.fit
