@@ -306,6 +306,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     objective = tune.Objective.parse(args.objective)
+    if not args.l2_embedding > 0:
+        raise ValueError(f"--l2-embedding must be positive, not {args.l2_embedding}")
     _writable(args.out)
     _writable(args.plot)
     if args.plot:
@@ -316,7 +318,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
-                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), start=args.start)  # fmt: skip
+                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start)  # fmt: skip
     if args.out:
         tune.write_calibration(fitted, args.out)
     if args.plot:
@@ -518,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--l2-embedding", type=float, default=1000.0, metavar="L2",
+                   help="the gate head's L2 on the embedding's dimensions (default 1000; the scores get 1)")
     p.add_argument("--start", choices=("auto", "none"), default="auto",
                    help="auto (default): where the model has a built-in calibration, also try the gate head pooled with its "
                    "exemplars, and pulled toward its head, keeping what does best out of fold; none: these texts alone")

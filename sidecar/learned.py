@@ -356,7 +356,7 @@ def gate_features(
     return np.hstack([np.stack([by_name[k] for k in names], axis=1), vectors]).astype(np.float64)
 
 
-def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 100.0,
+def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 1000.0,
                   iters: int = 1800, lr: float = 0.5, features: Sequence[str] = GATE_SCALARS,
                   prior: GateHead | None = None) -> GateHead:  # fmt: skip
     """L2-regularised logistic regression by gradient descent on standardised features, at a
@@ -364,7 +364,12 @@ def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float 
     fixed step did on the corpus: held-out TP 84.9% vs 85.1%, FP 3.7% vs 3.8%). The embedding's
     many weights get a much stronger penalty than the few catalog-independent scalars: what a
     labelled corpus's topics say about "needs a tool" does not carry to another catalog's
-    topics, what the scores say does."""
+    topics, what the scores say does. 1,000 rather than 100: gate AUROC up on every set
+    measured (held-out servers 0.978 -> 0.979; Banking77 and HWU64 tuned on their own 0.983 ->
+    0.985 and 0.968 -> 0.972; with the built-in head untuned on their positives and on BFCL's,
+    whose requests are about everyday things the corpus's developer tools are not: +0.01 to
+    +0.03). Stronger still helped those outside sets more but cost the held-out servers
+    (3,000: 0.977; 10,000: 0.974)."""
     mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
     z = (x - mu) / sd
     w0, b = np.zeros(x.shape[1]), 0.0

@@ -308,7 +308,7 @@ def fit(
     store: Store | None = None,
     progress: Callable[[str], None] | None = None,
     l2: float = 1.0,
-    l2_embedding: float = 100.0,
+    l2_embedding: float = 1000.0,
     start: str = "auto",
 ) -> Fitted:
     """Fit the ranker and the gate head on one part of `items`, choose thresholds on

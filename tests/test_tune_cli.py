@@ -144,6 +144,12 @@ def test_tune_plot_without_matplotlib_fails_before_any_work(labeled, tmp_path):
     assert not (tmp_path / "cli.db").exists()  # refused before the store or the model was touched
 
 
+def test_tune_refuses_a_non_positive_l2_before_any_work(labeled, tmp_path):
+    run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--l2-embedding", "0", tmp_path=tmp_path)
+    assert run.returncode == 2 and "--l2-embedding must be positive" in run.stderr
+    assert not (tmp_path / "cli.db").exists()
+
+
 def test_calibration_for_another_model_is_refused(labeled, tmp_path):
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"model": models.DEFAULT_MODEL, "thresholds": {"high": 0.5, "fallback": 0.7, "auto": 0.8, "confirm": 0.5}}))
