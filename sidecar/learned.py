@@ -238,8 +238,11 @@ class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         bits = lambda h: np.packbits(np.asarray(h, bool)).tobytes() if h is not None else b""  # noqa: E731
         return cls(int(tool.shape[1]), tool.astype(np.float16).tobytes(), none.astype(np.float16).tobytes(), bits(tool_high), bits(none_high))
 
-    def plus(self, other: Exemplars) -> Exemplars:
-        """Both sets of exemplars; their paths where both recorded them (else none: all count)."""
+    def plus(self, other: Exemplars | None) -> Exemplars:
+        """Both sets of exemplars; their paths where both recorded them (else none: all count).
+        Without another set, these."""
+        if other is None:
+            return self
         a, b = self.arrays(), other.arrays()
         both = lambda x, y: np.concatenate([x, y]) if x is not None and y is not None else None  # noqa: E731
         return Exemplars.of(np.vstack([a.tool, b.tool]), np.vstack([a.none, b.none]), both(a.tool_high, b.tool_high), both(a.none_high, b.none_high))

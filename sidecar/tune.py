@@ -23,7 +23,7 @@ from .config import Config
 from .evaluate import Labeled, gate_report, ranking_report, run
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
-from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
+from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
@@ -350,11 +350,11 @@ def fit(
         say(f"fold {f + 1}/{FOLDS}: fitting the ranker and the query adapter without {len(test)} texts")
         pipe.ranker = _fit_ranker(pipe, q, features, targets, train[pos[train]])
         fold_own = _exemplars(q[train], pos[train], high[train], seed)
-        known = {pool: fold_own.plus(extra) if extra is not None else fold_own for pool, extra in pools.items()}
+        known = {pool: fold_own.plus(extra).arrays() for pool, extra in pools.items()}
         sub, subreq, subscr = [fit_items[k] for k in test], [requests[k] for k in test], [screens[k] for k in test]
         views = pipe.views(subreq, q[test])
         for pool in pools:
-            x[pool][test] = pipe.gate_inputs(subreq, q[test], views, subscr, known[pool].arrays(), exclude_self=True, names=GATE_SCALARS)
+            x[pool][test] = pipe.gate_inputs(subreq, q[test], views, subscr, known[pool], exclude_self=True, names=GATE_SCALARS)
         # Each text once more against a smaller catalog (a random part of its servers): users
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
         parts = _against_parts(pipe, sub, subreq, q[test], views, subscr, list(known.values()), np.random.default_rng(seed + f))
@@ -365,27 +365,26 @@ def fit(
     say(f"fitting the ranker and the query adapter on {int(pos.sum())} tool requests")
     ranker = pipe.ranker = _fit_ranker(pipe, q, features, targets, np.flatnonzero(pos))
     own = _exemplars(q, pos, high, seed)
+    pooled = {pool: own.plus(extra) for pool, extra in pools.items()}  # what a head keeps for its neighbourhood
     correct = [bool(i.positive and t in i.expected) for i, t in zip(fit_items, tools)]
     say(f"fitting the gate head on {2 * len(fit_items)} rows ({FOLDS}-fold for the thresholds)")
     both = lambda pool, m: (np.vstack([x[pool][m], x_part[pool][m]]), np.concatenate([y[m], y[m]]))  # noqa: E731
 
     def head_of(c: Start, rows: np.ndarray) -> GateHead:
         k = c.strength
-        exemplars = own.plus(c.extra) if c.extra is not None else own
-        return fit_gate_head(*both(c.pool, rows), exemplars, k * l2, k * l2_embedding, features=GATE_SCALARS, prior=c.head)
+        return fit_gate_head(*both(c.pool, rows), pooled[c.pool], k * l2, k * l2_embedding, features=GATE_SCALARS, prior=c.head)
 
     # Out of fold, for the thresholds and, where the model has a built-in calibration, to
     # choose what the fit starts from (the objective's value on texts each head never saw).
     tried: dict[str, float] = {}
-    for c in starts:
+    for c in starts:  # ties keep the earlier, simpler start
         p = np.full(len(fit_items), -1.0)
         for f in range(FOLDS):
             train, test = folds != f, folds == f
             if train.sum() and test.sum():
                 p[test] = head_of(c, train).probability(x[c.pool][test])
-        value = _oof_value(GateScores([s.kind for s in screens], p.tolist(), pos.tolist(), correct), objective)
-        tried[c.name] = value
-        if len(tried) == 1 or value > max(v for n, v in tried.items() if n != c.name):
+        tried[c.name] = _oof_value(GateScores([s.kind for s in screens], p.tolist(), pos.tolist(), correct), objective)
+        if c is starts[0] or tried[c.name] > tried[chosen.name]:
             chosen, oof = c, p
     if len(starts) > 1:
         say("start: " + ", ".join(f"{n} {v:.3f}" for n, v in tried.items()) + f" out of fold ({objective}): {chosen.name}")
@@ -442,9 +441,9 @@ PRIOR_STRENGTH = 100.0  # a head fitted on a few hundred texts stays near the bu
 def _starts(model: str, start: str) -> list[Start]:
     """The starts `fit` tries, keeping the one with the best out-of-fold objective: with
     `auto`, the built-in calibration's where the model has one (held-out servers, tuned on
-    half of their texts and judged on the other: gate AUROC 0.971 alone, 0.980 pooled; an
-    intent set, whose out-of-scope queries are requests too, keeps its own: HWU64 test AUROC
-    0.968 alone, 0.963 pooled, 0.860 pulled); `none` fits from the texts alone (as the
+    half of their texts and judged on the other, at the head's former L2 of 100: gate AUROC
+    0.971 alone, 0.980 pooled; an intent set, whose out-of-scope queries are requests too,
+    keeps its own: HWU64 test AUROC 0.968 alone, 0.963 pooled, 0.860 pulled); `none` fits from the texts alone (as the
     built-in calibrations themselves are fitted)."""
     if start not in ("auto", "none"):
         raise ValueError(f"unknown start {start!r}: use auto or none")
@@ -512,7 +511,7 @@ def _best_tool(v: Views) -> str:
 PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplar_sets: Sequence[Exemplars], rng) -> list[np.ndarray]:
+def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: Sequence[Known], rng) -> list[np.ndarray]:
     """Gate features of each text against a smaller catalog: one of PARTS random sets of
     servers (of single tools, for a one-server catalog), plus the text's own expected tools.
     Users bring 5 tools or 500; the head should mean the same for both. (Parts without the
@@ -521,11 +520,10 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplar_
     names = views[0].index.names if views else []
     group = np.asarray([server_of(n) for n in names])
     servers = np.unique(group)
-    xs = [np.zeros((len(items), len(GATE_SCALARS) + q.shape[1])) for _ in exemplar_sets]
+    xs = [np.zeros((len(items), len(GATE_SCALARS) + q.shape[1])) for _ in knowns]
     part_of = rng.integers(0, PARTS, len(items))
     parts = [np.isin(group, rng.choice(servers, size=int(rng.integers(1, max(2, len(servers) // 2 + 1))), replace=False)) for _ in range(PARTS)]
     lexicals: dict[bytes, LexicalIndex] = {}
-    known = [e.arrays() for e in exemplar_sets]
     for k, item in enumerate(items):
         mask = parts[part_of[k]] | np.isin(group, [server_of(t) for t in item.expected])
         key = np.packbits(mask).tobytes()
@@ -536,7 +534,7 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, exemplar_
         cases = v.cases[:, mask]
         logits = None if v.logits is None else v.logits[:, mask]  # renormalised over the part by rank_features
         part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
-        for x, kn in zip(xs, known):
+        for x, kn in zip(xs, knowns):
             x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
     return xs
 
