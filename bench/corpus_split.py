@@ -7,7 +7,7 @@ seen in fitting (neither their tools nor any text about them), plus a hash-picke
 requests and the talk written about it out together. Re-running gives the same files byte
 for byte.
 
-    python bench/corpus_split.py
+    python bench/corpus_split.py [OUT_DIR]      (default: fixtures/corpus)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "fixtures" / "corpus"
@@ -40,7 +41,7 @@ def grouped(line: str, server: str, held: set[str] = frozenset()) -> str | None:
     return json.dumps(item | {"group": server}, ensure_ascii=False)
 
 
-def main() -> None:
+def main(out: pathlib.Path = CORPUS) -> None:
     catalogs = ROOT / "fixtures" / "catalogs"
     servers = sorted(p.stem for p in (CORPUS / "servers").glob("*.jsonl"))
     held = {s for s in servers if share("srv" + s) < HELD_SHARE}
@@ -55,17 +56,17 @@ def main() -> None:
     for ln in (CORPUS / "notool.jsonl").read_text(encoding="utf-8").splitlines():
         if ln.strip():
             (held_lines if share("nt" + json.loads(ln)["text"]) < HELD_SHARE else fit_lines).append(ln)
-    (CORPUS / "fit.jsonl").write_text("\n".join(fit_lines) + "\n", encoding="utf-8")
-    (CORPUS / "heldout.jsonl").write_text("\n".join(held_lines) + "\n", encoding="utf-8")
+    (out / "fit.jsonl").write_text("\n".join(fit_lines) + "\n", encoding="utf-8")
+    (out / "heldout.jsonl").write_text("\n".join(held_lines) + "\n", encoding="utf-8")
     tools = []
     for s in servers:
         if s not in held:
             doc = json.loads((catalogs / f"{s}.json").read_text(encoding="utf-8"))
             tools += [{"name": f"{s}__{t['name']}", "description": t.get("description", ""), "inputSchema": t.get("inputSchema", {})} for t in doc["tools"]]
-    (CORPUS / "fit-catalog.json").write_text(json.dumps({"tools": tools}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "fit-catalog.json").write_text(json.dumps({"tools": tools}, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"held-out servers: {', '.join(sorted(held))}")
     print(f"fit: {len(fit_lines)} items, {len(tools)} tools; held out: {len(held_lines)} items")
 
 
 if __name__ == "__main__":
-    main()
+    main(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else CORPUS)

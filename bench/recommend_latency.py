@@ -4,7 +4,7 @@
     .venv/bin/python bench/recommend_latency.py [--model all-minilm-l6-v2] [--sizes 100,1000,10000] [--warm-runs 3]
                                                 [--bulk-threads N] [--json]
 
-Scale: catalogs are synthesised from the 462 real tools of fixtures/catalogs/ALL.json. The
+Scale: catalogs are synthesised from the real tools of fixtures/catalogs/ALL.json. The
 first copy is the real catalog; every further copy of a tool lives on its own server
 (github2, github3, ...) and is a variant of it: a qualifier word in its name, title and
 description ("search_notes_billing": "Search billing notes ..."), so none of its texts is
@@ -255,7 +255,7 @@ def main() -> None:
         sys.stdout.buffer.write(msgspec.json.encode(results) + b"\n")
         return
 
-    print("\nranking quality on the real catalog (462 tools), expected tool's rank in the top 10")
+    print(f"\nranking quality on the real catalog ({len(base)} tools), expected tool's rank in the top 10")
     print(f"{'model':<24} {'scenario':<28} {'set':<8} {'mode':<8} {'top1':>6} {'MRR':>6}")
     store = Store(tmp / "bench.db")
     for model in args.quality_model or [models.SMALL_MODEL, models.DEFAULT_MODEL]:

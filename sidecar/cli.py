@@ -308,6 +308,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     objective = tune.Objective.parse(args.objective)
     if not args.l2_embedding > 0:
         raise ValueError(f"--l2-embedding must be positive, not {args.l2_embedding}")
+    if not 0.0 <= args.absent_share <= 1.0:
+        raise ValueError(f"--absent-share must be within [0, 1], not {args.absent_share}")
     _writable(args.out)
     _writable(args.plot)
     if args.plot:
@@ -318,7 +320,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
-                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start)  # fmt: skip
+                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start,
+                      absent_share=args.absent_share)  # fmt: skip
     if args.out:
         tune.write_calibration(fitted, args.out)
     if args.plot:
@@ -522,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--l2-embedding", type=float, default=1000.0, metavar="L2",
                    help="the gate head's L2 on the embedding's dimensions (default 1000; the scores get 1)")
+    p.add_argument("--absent-share", type=float, default=0.0, metavar="X",
+                   help="share of the requests also fitted as 'needs none' against a catalog without their tools (default 0): "
+                   "for sets with no requests outside their catalog, when traffic will have them (README, 'Quality')")
     p.add_argument("--start", choices=("auto", "none"), default="auto",
                    help="auto (default): where the model has a built-in calibration, also try the gate head pooled with its "
                    "exemplars, and pulled toward its head, keeping what does best out of fold; none: these texts alone")

@@ -310,10 +310,13 @@ def fit(
     l2: float = 1.0,
     l2_embedding: float = 1000.0,
     start: str = "auto",
+    absent_share: float = 0.0,
 ) -> Fitted:
     """Fit the ranker and the gate head on one part of `items`, choose thresholds on
     out-of-fold probabilities (a head judged on texts it was fitted on looks better than it
-    is), and report the finished pipeline on the part it never saw."""
+    is), and report the finished pipeline on the part it never saw. `absent_share` of the
+    requests also teach the head once as "needs none", against a catalog without their
+    tools (`_against_parts`)."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     fit_idx, held_idx = split(len(items), heldout_fraction, seed)
@@ -342,6 +345,8 @@ def fit(
     pools = {c.pool: c.extra for c in starts}  # the exemplar sets the features are computed against
     x = {pool: np.zeros((len(fit_items), len(GATE_SCALARS) + q.shape[1])) for pool in pools}
     x_part = {pool: np.zeros_like(x[pool]) for pool in pools}
+    x_absent = {pool: np.zeros_like(x[pool]) for pool in pools}
+    absent = pos & (np.random.default_rng(seed + 1).random(len(fit_items)) < absent_share)
     tools: list[str] = [""] * len(fit_items)
     for f in range(FOLDS):
         train, test = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
@@ -357,9 +362,15 @@ def fit(
             x[pool][test] = pipe.gate_inputs(subreq, q[test], views, subscr, known[pool], exclude_self=True, names=GATE_SCALARS)
         # Each text once more against a smaller catalog (a random part of its servers): users
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
-        parts = _against_parts(pipe, sub, subreq, q[test], views, subscr, list(known.values()), np.random.default_rng(seed + f))
+        parts, _ = _against_parts(pipe, sub, subreq, q[test], views, subscr, list(known.values()), np.random.default_rng(seed + f))
         for pool, xp in zip(pools, parts):
             x_part[pool][test] = xp
+        if (gone := test[absent[test]]).size:
+            at = np.flatnonzero(absent[test])
+            parts, absent[gone] = _against_parts(pipe, [sub[k] for k in at], [subreq[k] for k in at], q[gone], [views[k] for k in at],
+                                                 [subscr[k] for k in at], list(known.values()), np.random.default_rng(seed + f), absent=True)  # fmt: skip
+            for pool, xp in zip(pools, parts):
+                x_absent[pool][gone] = xp
         for k, v in zip(test, views):
             tools[k] = _best_tool(v)  # out of fold
     say(f"fitting the ranker and the query adapter on {int(pos.sum())} tool requests")
@@ -367,8 +378,9 @@ def fit(
     own = _exemplars(q, pos, high, seed)
     pooled = {pool: own.plus(extra) for pool, extra in pools.items()}  # what a head keeps for its neighbourhood
     correct = [bool(i.positive and t in i.expected) for i, t in zip(fit_items, tools)]
-    say(f"fitting the gate head on {2 * len(fit_items)} rows ({FOLDS}-fold for the thresholds)")
-    both = lambda pool, m: (np.vstack([x[pool][m], x_part[pool][m]]), np.concatenate([y[m], y[m]]))  # noqa: E731
+    say(f"fitting the gate head on {2 * len(fit_items) + int(absent.sum())} rows ({FOLDS}-fold for the thresholds)")
+    both = lambda pool, m: (np.vstack([x[pool][m], x_part[pool][m], x_absent[pool][m & absent]]),  # noqa: E731
+                            np.concatenate([y[m], y[m], np.zeros(int((m & absent).sum()))]))
 
     def head_of(c: Start, rows: np.ndarray) -> GateHead:
         k = c.strength
@@ -511,12 +523,14 @@ def _best_tool(v: Views) -> str:
 PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: Sequence[Known], rng) -> list[np.ndarray]:
+def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: Sequence[Known], rng,
+                   absent: bool = False) -> tuple[list[np.ndarray], np.ndarray]:  # fmt: skip
     """Gate features of each text against a smaller catalog: one of PARTS random sets of
     servers (of single tools, for a one-server catalog), plus the text's own expected tools.
-    Users bring 5 tools or 500; the head should mean the same for both. (Parts without the
-    expected tools, as "needs none", were measured and cost held-out AUROC: a request stays
-    a request.)"""
+    Users bring 5 tools or 500; the head should mean the same for both. With `absent`, the
+    part leaves out the servers of the text's tools instead: a request the catalog does not
+    answer, which should stay silent (BFCL's irrelevant requests, an intent set's
+    out-of-scope ones). Also returned: which texts had any tool left to be judged against."""
     names = views[0].index.names if views else []
     group = np.asarray([server_of(n) for n in names])
     servers = np.unique(group)
@@ -524,8 +538,15 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: S
     part_of = rng.integers(0, PARTS, len(items))
     parts = [np.isin(group, rng.choice(servers, size=int(rng.integers(1, max(2, len(servers) // 2 + 1))), replace=False)) for _ in range(PARTS)]
     lexicals: dict[bytes, LexicalIndex] = {}
+    judged = np.ones(len(items), bool)
     for k, item in enumerate(items):
-        mask = parts[part_of[k]] | np.isin(group, [server_of(t) for t in item.expected])
+        own = np.isin(group, [server_of(t) for t in item.expected])
+        mask = parts[part_of[k]] | own
+        if absent:  # the part less the text's servers; the whole catalog less them, where the part was only those
+            mask = parts[part_of[k]] & ~own if (parts[part_of[k]] & ~own).any() else ~own
+        if not mask.any():
+            judged[k] = False
+            continue
         key = np.packbits(mask).tobytes()
         if key not in lexicals:
             lexicals[key] = LexicalIndex(Catalog([t for t, m in zip(pipe.catalog, mask) if m]), "bm25")
@@ -536,7 +557,7 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: S
         part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
         for x, kn in zip(xs, knowns):
             x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
-    return xs
+    return xs, judged
 
 
 def server_of(tool: str) -> str:

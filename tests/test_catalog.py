@@ -25,7 +25,7 @@ def test_merged_files_are_qualified_and_unique():
 
 def test_all_json_is_already_qualified():
     c = catalog.load([CATALOGS / "ALL.json"])
-    assert len(c) == 462
+    assert len(c) == 605
     t = c.get("filesystem__write_file")
     assert t.server == "filesystem" and t.bare_name == "write_file"
 

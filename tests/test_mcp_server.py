@@ -168,7 +168,7 @@ def test_savings_of_live_servers(tmp_path, fs_server, fs_root):
 
 def test_savings_of_a_catalog_file_without_servers():
     s = savings("--catalog", str(CATALOGS / "ALL.json"))
-    assert s["all_tools"]["tools"] == 462 and s["exposed"]["tools"] == 2
+    assert s["all_tools"]["tools"] == 605 and s["exposed"]["tools"] == 2
     assert s["exposed"]["tokens"] == s["meta_tools_tokens"] and s["saved_fraction"] > 0.99
     assert s["break_even_find_calls"] > 1
 

@@ -44,8 +44,7 @@ REPLIES = [
     Reply("Got it. Let me create a folder named reports inside the project directory so the exports have a home. Then we go on.",
           "Let me create a folder named reports inside the project directory so the exports have a home.", {"create_directory"}),
     Reply("Good point. I'll jot this down as a new note so we keep it for the next planning meeting. Moving on.",
-          "I'll jot this down as a new note so we keep it for the next planning meeting.", {"create_note"},
-          (models.SMALL_MODEL,)),  # MiniLM: create_note at 0.75, under its one bar of 0.83 (its high-path bar was 0.72)
+          "I'll jot this down as a new note so we keep it for the next planning meeting.", {"create_note"}),
     Reply("Okay, I'm going to look at the recent commit history to find when the timeout value changed. One moment.",
           "Okay, I'm going to look at the recent commit history to find when the timeout value changed.", {"git_log"}),
     Reply("Right, let me check which files are modified but not yet staged before we commit anything. Then I'll summarise.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,27 @@ def test_tune_refuses_a_non_positive_l2_before_any_work(labeled, tmp_path):
     run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--l2-embedding", "0", tmp_path=tmp_path)
     assert run.returncode == 2 and "--l2-embedding must be positive" in run.stderr
     assert not (tmp_path / "cli.db").exists()
+
+
+def test_tune_refuses_an_absent_share_outside_0_1_before_any_work(labeled, tmp_path):
+    run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--absent-share", "1.5", tmp_path=tmp_path)
+    assert run.returncode == 2 and "--absent-share must be within [0, 1]" in run.stderr
+    assert not (tmp_path / "cli.db").exists()
+
+
+def test_absent_share_fits_requests_once_more_as_needing_none(labeled, tmp_path):
+    """Every request once more against a catalog without its tool (a one-server catalog: the
+    other tools), as "needs none": the head is fitted on more rows and moves."""
+    heads = {}
+    for share in ("0", "1"):
+        cal = tmp_path / f"cal{share}.json"
+        run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled, "--heldout-fraction", "0",
+                   "--start", "none", "--absent-share", share, "--out", cal, tmp_path=tmp_path)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        rows = int(re.search(r"fitting the gate head on (\d+) rows", run.stderr).group(1))
+        assert rows == 2 * len(POSITIVES + NEGATIVES) + (len(POSITIVES) if share == "1" else 0)
+        heads[share] = calibration.read(cal).head
+    assert heads["0"].coef != heads["1"].coef
 
 
 def test_calibration_for_another_model_is_refused(labeled, tmp_path):
