@@ -365,8 +365,8 @@ def fit(
         parts, _ = _against_parts(pipe, sub, subreq, q[test], views, subscr, list(known.values()), np.random.default_rng(seed + f))
         for pool, xp in zip(pools, parts):
             x_part[pool][test] = xp
-        if (gone := test[absent[test]]).size:
-            at = np.flatnonzero(absent[test])
+        if (at := np.flatnonzero(absent[test])).size:  # positions in this fold's lists
+            gone = test[at]
             parts, absent[gone] = _against_parts(pipe, [sub[k] for k in at], [subreq[k] for k in at], q[gone], [views[k] for k in at],
                                                  [subscr[k] for k in at], list(known.values()), np.random.default_rng(seed + f), absent=True)  # fmt: skip
             for pool, xp in zip(pools, parts):
@@ -543,7 +543,8 @@ def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: S
         own = np.isin(group, [server_of(t) for t in item.expected])
         mask = parts[part_of[k]] | own
         if absent:  # the part less the text's servers; the whole catalog less them, where the part was only those
-            mask = parts[part_of[k]] & ~own if (parts[part_of[k]] & ~own).any() else ~own
+            mask = parts[part_of[k]] & ~own
+            mask = mask if mask.any() else ~own
         if not mask.any():
             judged[k] = False
             continue
