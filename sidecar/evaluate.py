@@ -241,21 +241,62 @@ class GateBaseline(msgspec.Struct):
     best_balanced_accuracy: float
 
 
+def plain_cosine(pipe, texts: Sequence[str]) -> np.ndarray:
+    """(texts, tools): each text's cosine to each tool's description with the same model, and
+    nothing else (no cases, no name words, no adapter)."""
+    from .index import embed_cached
+
+    descriptions = [(t.description or "").strip() or t.name for t in pipe.catalog]
+    if not descriptions:
+        return np.zeros((len(texts), 0), np.float32)
+    docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document")
+    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(texts)), "query")
+    return np.vstack([queries[t] for t in texts]) @ np.vstack([docs[x] for x in descriptions]).T
+
+
+def simple_gate_features(cosines: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """The learned baseline's inputs: the best plain cosine, its margin over the second, the
+    mean of the best five, then the text's embedding."""
+    top = -np.sort(-cosines, axis=1)[:, :5] if cosines.shape[1] else np.zeros((len(cosines), 1))
+    second = top[:, 1] if top.shape[1] > 1 else top[:, 0]
+    return np.hstack([np.stack([top[:, 0], top[:, 0] - second, top.mean(axis=1)], axis=1), vectors]).astype(np.float64)
+
+
+SIMPLE_GATE_L2 = (10.0, 100.0, 1000.0)  # on the embedding's columns, chosen out of fold
+
+
+def simple_gate(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The gate a careful user would try first: logistic regression on `simple_gate_features`
+    (standardised, L2 1 on the three scores, on the embedding the value of SIMPLE_GATE_L2 with
+    the best out-of-fold AUROC over `folds`). Returns its probability function."""
+    from .learned import fit_logistic
+
+    def fit(rows: np.ndarray, l2: float) -> Callable[[np.ndarray], np.ndarray]:
+        mu, sd = x[rows].mean(axis=0), x[rows].std(axis=0) + 1e-6
+        w, b = fit_logistic((x[rows] - mu) / sd, y[rows], np.where(np.arange(x.shape[1]) < 3, 1.0, l2))
+        return lambda v: 1.0 / (1.0 + np.exp(-(((v - mu) / sd) @ w + b)))
+
+    def oof(l2: float) -> float:
+        p = np.zeros(len(y))
+        for f in np.unique(folds):
+            test = folds == f
+            if (~test).any() and len(np.unique(y[~test])) == 2:
+                p[test] = fit(~test, l2)(x[test])
+        return auroc(p[y > 0], p[y == 0])
+
+    best = max(SIMPLE_GATE_L2, key=oof)
+    return fit(np.ones(len(y), bool), best)
+
+
 def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and parameter names."""
-    from .index import embed_cached
     from .lexical import LexicalIndex
 
-    tools = list(pipe.catalog)
-    descriptions = [(t.description or "").strip() or t.name for t in tools]
-    docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document")
-    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(i.text for i in items)), "query")
-    d = np.vstack([docs[x] for x in descriptions]) if tools else np.zeros((0, pipe.embedder.dim), np.float32)
-    names = np.asarray([t.name for t in tools])
+    names = np.asarray([t.name for t in pipe.catalog])
     positives = [i for i in items if i.positive]
-    sims = np.vstack([queries[i.text] for i in items]) @ d.T
-    best = sims.max(axis=1) if tools else np.zeros(len(items))
+    sims = plain_cosine(pipe, [i.text for i in items])
+    best = sims.max(axis=1) if len(names) else np.zeros(len(items))
     pos = np.array([i.positive for i in items])
     cuts = np.unique(best)
     balanced = max((((best[pos] >= c).mean() if pos.any() else 0) + ((best[~pos] < c).mean() if (~pos).any() else 0)) / 2 for c in cuts)

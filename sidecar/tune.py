@@ -20,7 +20,7 @@ import numpy as np
 from .calibration import Calibration, builtin
 from .catalog import SEP, Catalog
 from .config import Config
-from .evaluate import Labeled, gate_report, ranking_report, run
+from .evaluate import Labeled, auroc, baselines, gate_report, plain_cosine, ranking_report, run, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
 from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
@@ -271,6 +271,9 @@ def split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
 
 
 class Heldout(msgspec.Struct):
+    """The finished pipeline on the part never fitted, beside the simplest gates and rankings
+    of the same run on the same texts: if the learned parts lose to them, they should go."""
+
     tp_rate: float
     fp_rate: float
     accuracy: float
@@ -278,6 +281,11 @@ class Heldout(msgspec.Struct):
     n: int
     top1: float = math.nan  # ranking, over the held-out positives
     mrr: float = math.nan
+    auroc: float = math.nan  # the gate head's
+    cosine_auroc: float = math.nan  # baseline: one threshold on the best plain cosine to a description
+    simple_auroc: float = math.nan  # baseline: evaluate.simple_gate, fitted on the fit part
+    cosine_top1: float = math.nan  # baseline rankings: plain cosine, BM25
+    bm25_top1: float = math.nan
 
 
 class Fitted(msgspec.Struct):
@@ -426,7 +434,14 @@ def fit(
         decisions = run(pipe, held)
         g = gate_report(held, decisions)
         r = ranking_report(held, [[c.tool for c in cands] for cands in pipe.rank_batch([Request(i.text, i.source) for i in held], 10)])
-        heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr)
+        say("fitting and judging the baselines")
+        ranked, cosine_gate = baselines(pipe, held)
+        base = {b.kind: b.ranking.top1 for b in ranked}
+        simple = simple_gate(simple_gate_features(plain_cosine(pipe, [i.text for i in fit_items]), q), y, folds)
+        p = simple(simple_gate_features(plain_cosine(pipe, [i.text for i in held]), vectors[held_idx]))
+        yh = np.array([i.positive for i in held])
+        heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr,
+                          g.auroc, cosine_gate.auroc, auroc(p[yh], p[~yh]), base["cosine"], base["bm25"])  # fmt: skip
     return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0, chosen.name, tried)
 
 
@@ -614,4 +629,7 @@ def describe(f: Fitted) -> str:
     ] if len(f.starts) > 1 else []) + ([
         f"  held out ({h.n} items, never fitted): TP {h.tp_rate:.1%}, FP {h.fp_rate:.1%}, accuracy {h.accuracy:.1%}, "
         f"right tool {h.correct_rate:.1%}, ranking top1 {h.top1:.1%}, MRR {h.mrr:.3f}",
+        f"    gate AUROC {h.auroc:.3f}; baselines on the same texts: one threshold on plain cosine {h.cosine_auroc:.3f}, "
+        f"logistic regression on the embedding and plain cosine's top scores {h.simple_auroc:.3f}",
+        f"    ranking top1 {h.top1:.1%}; baselines: plain cosine {h.cosine_top1:.1%}, BM25 {h.bm25_top1:.1%}",
     ] if h.n else []))  # fmt: skip
