@@ -241,17 +241,16 @@ class GateBaseline(msgspec.Struct):
     best_balanced_accuracy: float
 
 
-def plain_cosine(pipe, texts: Sequence[str]) -> np.ndarray:
-    """(texts, tools): each text's cosine to each tool's description with the same model, and
-    nothing else (no cases, no name words, no adapter)."""
+def description_vectors(pipe) -> np.ndarray:
+    """(tools, dim): each tool's description embedded as a document with the same model, and
+    nothing else (no cases, no name words): what plain cosine compares a text with."""
     from .index import embed_cached
 
     descriptions = [(t.description or "").strip() or t.name for t in pipe.catalog]
     if not descriptions:
-        return np.zeros((len(texts), 0), np.float32)
+        return np.zeros((0, pipe.embedder.dim), np.float32)
     docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document")
-    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(texts)), "query")
-    return np.vstack([queries[t] for t in texts]) @ np.vstack([docs[x] for x in descriptions]).T
+    return np.vstack([docs[x] for x in descriptions])
 
 
 def simple_gate_features(cosines: np.ndarray, vectors: np.ndarray) -> np.ndarray:
@@ -293,9 +292,12 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     tool's description with the same model, BM25 and TF-IDF over name, description and parameter names."""
     from .lexical import LexicalIndex
 
+    from .index import embed_cached
+
     names = np.asarray([t.name for t in pipe.catalog])
     positives = [i for i in items if i.positive]
-    sims = plain_cosine(pipe, [i.text for i in items])
+    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(i.text for i in items)), "query")
+    sims = np.vstack([queries[i.text] for i in items]) @ description_vectors(pipe).T
     best = sims.max(axis=1) if len(names) else np.zeros(len(items))
     pos = np.array([i.positive for i in items])
     cuts = np.unique(best)

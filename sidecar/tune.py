@@ -20,7 +20,7 @@ import numpy as np
 from .calibration import Calibration, builtin
 from .catalog import SEP, Catalog
 from .config import Config
-from .evaluate import Labeled, auroc, baselines, gate_report, plain_cosine, ranking_report, run, simple_gate, simple_gate_features
+from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, run, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
 from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
@@ -437,8 +437,9 @@ def fit(
         say("fitting and judging the baselines")
         ranked, cosine_gate = baselines(pipe, held)
         base = {b.kind: b.ranking.top1 for b in ranked}
-        simple = simple_gate(simple_gate_features(plain_cosine(pipe, [i.text for i in fit_items]), q), y, folds)
-        p = simple(simple_gate_features(plain_cosine(pipe, [i.text for i in held]), vectors[held_idx]))
+        d = description_vectors(pipe)  # plain cosine: the texts' vectors, already here, against the descriptions
+        simple = simple_gate(simple_gate_features(q @ d.T, q), y, folds)
+        p = simple(simple_gate_features(vectors[held_idx] @ d.T, vectors[held_idx]))
         yh = np.array([i.positive for i in held])
         heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr,
                           g.auroc, cosine_gate.auroc, auroc(p[yh], p[~yh]), base["cosine"], base["bm25"])  # fmt: skip
