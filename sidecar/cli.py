@@ -278,7 +278,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
         if args.reject_below is not None:
             raise ValueError("--out-of-fold fits a cutoff: give it without --reject-below")
         cat = catalog_mod.load(cfg.catalogs)
-        items = evaluate.read_labeled(args.labeled, cat)
+        items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, cat), "cascade")
         say = None if args.json else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
         fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
         if args.json:
@@ -288,7 +288,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
             print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
         return 0
     engine = Sidecar.open(cfg, progress=not args.json, history=False)
-    items = evaluate.read_labeled(args.labeled, engine.catalog)
+    items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, engine.catalog), "cascade")
     with _progress_bar(2 * len(items), "judging with both models", not args.json) as bar:
         report = cascade.measure(engine, items, args.max_loss, args.reject_below, bar.update)
     if args.json:
@@ -302,7 +302,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import catalog as catalog_mod
     from . import store as store_mod
     from . import tune
-    from .evaluate import read_labeled
+    from .evaluate import against_whole_catalog, read_labeled
 
     cfg = _config(args)
     objective = tune.Objective.parse(args.objective)
@@ -317,7 +317,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         plot.require_matplotlib()
     cat = catalog_mod.load(cfg.catalogs)
-    items = [i for path in args.labeled for i in read_labeled(path, cat)]
+    items = against_whole_catalog([i for path in args.labeled for i in read_labeled(path, cat)], "tune")
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
                       progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start,

@@ -32,6 +32,8 @@ class Labeled(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     source: Literal["user", "llm"] = "user"
     kind: str | None = None  # what sort of text a "no tool" item is (small talk, an offer, ...)
     group: str | None = None  # what the text was written about (a server): `tune` holds a group out whole
+    offered: list[str] | None = None  # judged against only these tools (BFCL's protocol); None: the whole catalog
+    id: str | int | None = None  # the source set's own name for the item, kept for reading misses
 
     @property
     def expected(self) -> frozenset[str]:
@@ -59,9 +61,22 @@ def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> li
             unknown = sorted(t for t in item.expected if catalog.get(t) is None)
             if unknown:
                 raise LabeledError(f"{where}: expected tool(s) not in the catalog: {', '.join(unknown)}")
+            if unknown := sorted(t for t in item.offered or () if catalog.get(t) is None):
+                raise LabeledError(f"{where}: offered tool(s) not in the catalog: {', '.join(unknown)}")
+        if item.offered is not None and not item.expected <= set(item.offered):
+            raise LabeledError(f"{where}: expected tool(s) not among the offered ones: {', '.join(sorted(item.expected - set(item.offered)))}")
         items.append(item)
     if not items:
         raise LabeledError(f"{path}: no labelled items")
+    return items
+
+
+def against_whole_catalog(items: Sequence[Labeled], command: str) -> Sequence[Labeled]:
+    """`items`, refused if any offers its own tools: `command` judges every text against the
+    whole catalog, so it would fit or measure what the labels do not say."""
+    if offering := sum(i.offered is not None for i in items):
+        raise LabeledError(f"{command} judges every text against the whole catalog, but {offering} item(s) offer their own tools; "
+                           "`sidecar eval` reads them (each against its own)")
     return items
 
 
@@ -287,27 +302,52 @@ def simple_gate(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> Callable[[np
     return fit(np.ones(len(y), bool), best)
 
 
+def offers(items: Sequence[Labeled], catalog: Catalog) -> dict[Catalog | None, list[int]]:
+    """Item positions by the tools they are judged against: None for the whole catalog, else
+    the tools an item offers, in the catalog's order (BFCL judges each query against only its
+    own functions)."""
+    groups: dict[frozenset[str] | None, list[int]] = {}
+    for k, item in enumerate(items):
+        groups.setdefault(None if item.offered is None else frozenset(item.offered), []).append(k)
+    return {None if names is None else Catalog([t for t in catalog if t.name in names]): at for names, at in groups.items()}
+
+
 def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
-    tool's description with the same model, BM25 and TF-IDF over name, description and parameter names."""
+    tool's description with the same model, BM25 and TF-IDF over name, description and
+    parameter names; each item against the tools it is judged against."""
+    from .index import embed_cached
     from .lexical import LexicalIndex
 
-    from .index import embed_cached
-
     names = np.asarray([t.name for t in pipe.catalog])
-    positives = [i for i in items if i.positive]
+    column = {n: j for j, n in enumerate(names)}
     queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(i.text for i in items)), "query")
     sims = np.vstack([queries[i.text] for i in items]) @ description_vectors(pipe).T
-    best = sims.max(axis=1) if len(names) else np.zeros(len(items))
+    best = np.full(len(items), -1.0)  # nothing to compare with: the lowest score
+    cosine: dict[int, list[str]] = {}
+    lexical: dict[str, dict[int, list[str]]] = {"bm25": {}, "tfidf": {}}
+    for offered, at in offers(items, pipe.catalog).items():
+        tools = pipe.catalog if offered is None else offered
+        cols = np.asarray([column[t.name] for t in tools], int)
+        if not len(cols):
+            continue
+        sub = sims[np.ix_(at, cols)]
+        best[at] = sub.max(axis=1)
+        asks = [j for j in at if items[j].positive]
+        for j, row in zip(at, sub):
+            if items[j].positive:
+                cosine[j] = list(names[cols[np.argsort(-row, kind="stable")[:k]]])
+        for kind, ranked in lexical.items():
+            index = LexicalIndex(tools, kind)
+            ranked.update((j, [n for n, _ in index.rank(items[j].text, k)]) for j in asks)
+    positives = [i for i in items if i.positive]
+    in_order = lambda ranked: [ranked.get(j, []) for j, i in enumerate(items) if i.positive]  # noqa: E731
     pos = np.array([i.positive for i in items])
     cuts = np.unique(best)
     balanced = max((((best[pos] >= c).mean() if pos.any() else 0) + ((best[~pos] < c).mean() if (~pos).any() else 0)) / 2 for c in cuts)
     gate = GateBaseline(auroc(best[pos], best[~pos]), float(balanced))
-    cosine = [list(names[np.argsort(-row, kind="stable")[:k]]) for row, i in zip(sims, items) if i.positive]
-    out = [BaselineReport("cosine", ranking_report(positives, cosine))]
-    for kind in ("bm25", "tfidf"):
-        index = LexicalIndex(pipe.catalog, kind)
-        out.append(BaselineReport(kind, ranking_report(positives, [[n for n, _ in index.rank(i.text, k)] for i in positives])))
+    out = [BaselineReport("cosine", ranking_report(positives, in_order(cosine)))]
+    out += [BaselineReport(kind, ranking_report(positives, in_order(ranked))) for kind, ranked in lexical.items()]
     return out, gate
 
 
@@ -324,30 +364,35 @@ class Scored(msgspec.Struct):
 def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Scored:
     """Run every item through the engine as `serve` would: the gate over every item, the
     ranking (the engine's recommender, history-neutral unless it has a metrics store) over
-    the positives."""
+    the positives. An item that offers tools is judged by the same engine over just those."""
     from .engine import Judgement
     from .pipeline import Request
 
-    pipe = engine.pipeline
     tick = bar.update if bar is not None else None
-    decisions, vectors = judged(pipe, items, on_batch=tick)
-    ranker: list[list[str]] = []
-    ranked: list[list[str]] = []
-    first: list[str | None] = []
-    for item, d, vector in zip(items, decisions, vectors):  # ranked on the vector the gate already made
-        if not item.positive:
-            first.append(d.tool)
-            continue
-        request = Request(item.text, item.source)
-        ranker.append([c.tool for c in pipe.rank_batch([request], k, vector)[0]])
-        recommended = engine.rank(request, k, vector=vector)
-        ranked.append([r.tool for r in recommended.results])
-        first.append(Judgement(d, recommended).first)  # what would be injected first, had it fired
-        if tick:
-            tick(1)
+    decisions: list[Decision | None] = [None] * len(items)
+    first: list[str | None] = [None] * len(items)
+    ranker: dict[int, list[str]] = {}
+    ranked: dict[int, list[str]] = {}
+    for offered, at in offers(items, engine.catalog).items():
+        own = engine if offered is None else engine.with_catalog(offered, persist=False)
+        pipe = own.pipeline
+        some = [items[j] for j in at]
+        ds, vectors = judged(pipe, some, on_batch=tick)
+        for j, item, d, vector in zip(at, some, ds, vectors):  # ranked on the vector the gate already made
+            decisions[j] = d
+            if not item.positive:
+                first[j] = d.tool
+                continue
+            request = Request(item.text, item.source)
+            ranker[j] = [c.tool for c in pipe.rank_batch([request], k, vector)[0]]
+            recommended = own.rank(request, k, vector=vector)
+            ranked[j] = [r.tool for r in recommended.results]
+            first[j] = Judgement(d, recommended).first  # what would be injected first, had it fired
+            if tick:
+                tick(1)
     if bar is not None:
         bar.close()
-    return Scored(decisions, first, ranker, ranked)
+    return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)])  # type: ignore[arg-type]
 
 
 def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 10) -> Report:
@@ -399,6 +444,7 @@ class Outcome(msgspec.Struct, omit_defaults=True):
     top: list[str] = []  # the injected ranking's first three
     kind: str | None = None
     group: str | None = None
+    id: str | int | None = None
 
 
 def outcomes(items: Sequence[Labeled], scored: Scored) -> list[Outcome]:
@@ -411,7 +457,7 @@ def outcomes(items: Sequence[Labeled], scored: Scored) -> list[Outcome]:
             rank, expect, top = ranking.first_hit(order, item.expected), sorted(item.expected), order[:3]
         else:
             rank, verdict, expect, top = None, "false_fire" if d.fired else "silent", None, []
-        out.append(Outcome(item.text, item.source, verdict, d.fired, d.score, d.path, expect, first, rank, top, item.kind, item.group))
+        out.append(Outcome(item.text, item.source, verdict, d.fired, d.score, d.path, expect, first, rank, top, item.kind, item.group, item.id))
     return out
 
 

@@ -188,6 +188,77 @@ def test_eval_names_the_bad_line(tmp_path):
     assert f"{bad}:2: expected tool(s) not in the catalog: no_such_tool" in run.stderr
 
 
+NOTE_TOOLS = ["create_note", "read_note", "update_note", "delete_note", "semantic_search", "list_notes", "discover_tools"]
+
+
+def _eval_json(path, tmp_path, *extra):
+    run = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", path, *extra, tmp_path=tmp_path)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_items_that_offer_the_whole_catalog_score_as_items_that_offer_nothing(labeled, tmp_path):
+    """BFCL's protocol (`offered`: judge a text against only those tools) goes through the same
+    engine, so offering every tool must change no figure."""
+    every = tmp_path / "every.jsonl"
+    every.write_text("".join(json.dumps({**json.loads(line), "offered": NOTE_TOOLS[::-1], "id": k}) + "\n"
+                             for k, line in enumerate(labeled.read_text().splitlines())))
+    plain, offered = _eval_json(labeled, tmp_path), _eval_json(every, tmp_path)
+    rounded = lambda x: json.loads(json.dumps(x), parse_float=lambda f: round(float(f), 9))  # noqa: E731
+    for key in ("gate", "ranking", "ranking_ranker", "baselines", "gate_baseline", "by_source"):
+        assert rounded(offered[key]) == rounded(plain[key]), key
+
+
+def test_each_item_is_judged_and_ranked_against_only_the_tools_it_offers(tmp_path):
+    """Each request offers its own tool and two others; each text needing none offers tools
+    that do not answer it. Rankings (the sidecar's and the baselines') hold only offered tools."""
+    rng = __import__("random").Random(0)
+    lines = []
+    for k, (text, expect, source) in enumerate(POSITIVES):
+        others = rng.sample([t for t in NOTE_TOOLS if t != expect], 2)
+        lines.append({"id": f"p{k}", "text": text, "expect": expect, "source": source, "offered": [expect, *others]})
+    for k, (text, source) in enumerate(NEGATIVES):
+        lines.append({"id": f"n{k}", "text": text, "expect": None, "source": source, "offered": rng.sample(NOTE_TOOLS, 1)})
+    lines.append({"id": "none offered", "text": POSITIVES[0][0], "expect": None, "source": "user", "offered": []})  # BFCL has such items
+    path, per_item = tmp_path / "offered.jsonl", tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    whole_path = tmp_path / "whole.jsonl"  # the same items against the whole catalog
+    whole_path.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "offered"}) + "\n" for x in lines))
+    out, whole = _eval_json(path, tmp_path, "--items", per_item), _eval_json(whole_path, tmp_path)
+    rows = [json.loads(line) for line in per_item.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [x["id"] for x in lines]
+    for r, x in zip(rows, lines):
+        assert set(r.get("top", [])) <= set(x["offered"]), (r["text"], r.get("top"), x["offered"])
+        assert r.get("top") or x["expect"] is None  # every request is ranked
+        assert r.get("first") is None or r["first"] in x["offered"]
+    assert rows[-1]["verdict"] == "silent"  # nothing to inject: nothing fires
+    # three tools to choose from instead of seven: no ranking gets worse, and plain cosine's
+    # and BM25's are measured over the same three
+    for key in ("ranking", "ranking_ranker"):
+        assert out[key]["top1"] >= whole[key]["top1"]
+    for b, w in zip(out["baselines"], whole["baselines"]):
+        assert b["kind"] == w["kind"] and b["ranking"]["top1"] >= w["ranking"]["top1"] and b["ranking"]["coverage"] <= 1
+
+
+def test_offered_tools_must_be_known_and_hold_the_expected_ones(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "take a note", "expect": "create_note", "offered": ["create_note"]}\n'
+                   '{"text": "x", "expect": null, "offered": ["create_note", "no_such_tool"]}\n')
+    run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", bad, tmp_path=tmp_path)
+    assert run.returncode == 2 and f"{bad}:2: offered tool(s) not in the catalog: no_such_tool" in run.stderr
+    bad.write_text('{"text": "take a note", "expect": "create_note", "offered": ["list_notes"]}\n')
+    run = _cli("eval", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", bad, tmp_path=tmp_path)
+    assert run.returncode == 2 and f"{bad}:1: expected tool(s) not among the offered ones: create_note" in run.stderr
+
+
+def test_tune_refuses_items_that_offer_their_own_tools(labeled, tmp_path):
+    offered = tmp_path / "offered.jsonl"
+    offered.write_text("".join(json.dumps({**json.loads(line), "offered": NOTE_TOOLS}) + "\n" for line in labeled.read_text().splitlines()))
+    run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", offered, tmp_path=tmp_path)
+    assert run.returncode == 2 and "tune judges every text against the whole catalog" in run.stderr
+    assert f"{len(POSITIVES) + len(NEGATIVES)} item(s) offer their own tools" in run.stderr
+
+
 def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_path):
     """8 requests and 8 texts needing none, hundreds of embedding dimensions: the gate head's
     gradient descent must not overshoot (it did at a fixed step: 15 of 16 out-of-fold
