@@ -266,19 +266,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_cascade(args: argparse.Namespace) -> int:
     from . import cascade, evaluate
+    from . import catalog as catalog_mod
     from .engine import Sidecar
 
     cfg = _config(args, {("cascade", "screen"): args.screen})
     if not cfg.cascade.screen:  # fitting a screen needs one: the small model unless told
         cfg = msgspec.structs.replace(cfg, cascade=msgspec.structs.replace(cfg.cascade, screen=models.SMALL_MODEL))
+    if args.out_of_fold and args.reject_below is not None:
+        raise ValueError("--out-of-fold fits a cutoff: give it without --reject-below")
+    cat = catalog_mod.load(cfg.catalogs)
+    items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, cat), "cascade")
     if args.out_of_fold:
-        from . import catalog as catalog_mod
         from .store import open_store
 
-        if args.reject_below is not None:
-            raise ValueError("--out-of-fold fits a cutoff: give it without --reject-below")
-        cat = catalog_mod.load(cfg.catalogs)
-        items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, cat), "cascade")
         say = None if args.json else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
         fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
         if args.json:
@@ -287,8 +287,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
             print(cascade.describe_outcome(fit, f"fitted out of fold: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
             print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
         return 0
-    engine = Sidecar.open(cfg, progress=not args.json, history=False)
-    items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, engine.catalog), "cascade")
+    engine = Sidecar.open(cfg, catalog=cat, progress=not args.json, history=False)
     with _progress_bar(2 * len(items), "judging with both models", not args.json) as bar:
         report = cascade.measure(engine, items, args.max_loss, args.reject_below, bar.update)
     if args.json:

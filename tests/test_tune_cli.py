@@ -251,12 +251,16 @@ def test_offered_tools_must_be_known_and_hold_the_expected_ones(tmp_path):
     assert run.returncode == 2 and f"{bad}:1: expected tool(s) not among the offered ones: create_note" in run.stderr
 
 
-def test_tune_refuses_items_that_offer_their_own_tools(labeled, tmp_path):
+def test_tune_and_cascade_refuse_items_that_offer_their_own_tools(labeled, tmp_path):
     offered = tmp_path / "offered.jsonl"
     offered.write_text("".join(json.dumps({**json.loads(line), "offered": NOTE_TOOLS}) + "\n" for line in labeled.read_text().splitlines()))
     run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", offered, tmp_path=tmp_path)
     assert run.returncode == 2 and "tune judges every text against the whole catalog" in run.stderr
     assert f"{len(POSITIVES) + len(NEGATIVES)} item(s) offer their own tools" in run.stderr
+    for extra in ((), ("--out-of-fold",)):
+        run = _cli("cascade", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", offered, *extra, tmp_path=tmp_path)
+        assert run.returncode == 2 and "cascade judges every text against the whole catalog" in run.stderr
+    assert not (tmp_path / "cli.db").exists()  # refused before the store or a model was touched
 
 
 def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_path):
