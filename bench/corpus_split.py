@@ -1,5 +1,9 @@
-"""Write the corpus's fit and held-out parts (fixtures/corpus/{fit,heldout}.jsonl) and the
-catalog of the servers in the fit part (fixtures/corpus/fit-catalog.json).
+"""Write the corpus's fit and held-out parts (fixtures/corpus/{fit,heldout}.jsonl), the
+catalog of the servers in the fit part (fixtures/corpus/fit-catalog.json), and the held-out
+part as a user with one server sees it (fixtures/corpus/heldout-own.jsonl): each line offers
+only the tools of one server (`offered`, read by `sidecar eval`), the server its request is
+for (and any other tool it lists as right) or the server its talk is about; general talk
+offers a hash-picked held-out server's tools.
 
 The held-out part is catalog-disjoint: whole servers, picked by a hash of their name, never
 seen in fitting (neither their tools nor any text about them), plus a hash-picked 30% of the
@@ -41,6 +45,16 @@ def grouped(line: str, server: str, held: set[str] = frozenset()) -> str | None:
     return json.dumps(item | {"group": server}, ensure_ascii=False)
 
 
+def own_server(line: str, names: dict[str, list[str]], held: list[str]) -> str:
+    """A held-out line offering one server's tools (see the module's docstring)."""
+    item = json.loads(line)
+    expect = item["expect"]
+    listed = [] if expect is None else [expect] if isinstance(expect, str) else expect
+    server = item.get("group") or held[int(share("own" + item["text"]) * len(held))]
+    offered = names[server] + [t for t in listed if t not in names[server]]
+    return json.dumps(item | {"offered": offered}, ensure_ascii=False)
+
+
 def main(out: pathlib.Path = CORPUS) -> None:
     catalogs = ROOT / "fixtures" / "catalogs"
     servers = sorted(p.stem for p in (CORPUS / "servers").glob("*.jsonl"))
@@ -59,11 +73,14 @@ def main(out: pathlib.Path = CORPUS) -> None:
     (out / "fit.jsonl").write_text("\n".join(fit_lines) + "\n", encoding="utf-8")
     (out / "heldout.jsonl").write_text("\n".join(held_lines) + "\n", encoding="utf-8")
     tools = []
+    names: dict[str, list[str]] = {}
     for s in servers:
+        doc = json.loads((catalogs / f"{s}.json").read_text(encoding="utf-8"))
+        names[s] = [f"{s}__{t['name']}" for t in doc["tools"]]
         if s not in held:
-            doc = json.loads((catalogs / f"{s}.json").read_text(encoding="utf-8"))
             tools += [{"name": f"{s}__{t['name']}", "description": t.get("description", ""), "inputSchema": t.get("inputSchema", {})} for t in doc["tools"]]
     (out / "fit-catalog.json").write_text(json.dumps({"tools": tools}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "heldout-own.jsonl").write_text("\n".join(own_server(ln, names, sorted(held)) for ln in held_lines) + "\n", encoding="utf-8")
     print(f"held-out servers: {', '.join(sorted(held))}")
     print(f"fit: {len(fit_lines)} items, {len(tools)} tools; held out: {len(held_lines)} items")
 

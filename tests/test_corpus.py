@@ -75,7 +75,7 @@ def test_fit_and_heldout_are_what_the_split_writes(tmp_path):
     split = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(split)
     split.main(tmp_path)
-    for name in ("fit.jsonl", "heldout.jsonl", "fit-catalog.json"):
+    for name in ("fit.jsonl", "heldout.jsonl", "fit-catalog.json", "heldout-own.jsonl"):
         assert (tmp_path / name).read_bytes() == (CORPUS / name).read_bytes(), f"{name} is stale: run python bench/corpus_split.py"
     held = {json.loads(ln).get("group") for ln in (CORPUS / "heldout.jsonl").read_text(encoding="utf-8").splitlines()}
     fit = {json.loads(ln).get("group") for ln in (CORPUS / "fit.jsonl").read_text(encoding="utf-8").splitlines()}
