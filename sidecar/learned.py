@@ -254,6 +254,11 @@ class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Known(t, n, bits(self.tool_high, len(t)), bits(self.none_high, len(n)))
 
 
+MATCH_FEATURES = ("cosine_top1", "cases_top1")  # the best tool's cosine to the text: its description, its closest case
+FLOOR_SHARE = 0.01  # of the fit part's requests that may fall under the match floor
+BELOW_FLOOR = 0.01  # what a probability is scaled by under it: below any bar, in the same order
+
+
 class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mean: list[float]
     scale: list[float]
@@ -261,6 +266,12 @@ class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bias: float
     exemplars: Exemplars
     features: list[str] = msgspec.field(default_factory=lambda: list(GATE_SCALARS))
+    # The least match (`match`) 99% of the fit part's requests reach. The head learns "reads like
+    # a request" from texts whose catalog always answers them, so with only a file server
+    # "what's the weather in Paris tomorrow?" scored 0.97 on its embedding alone (best tool
+    # cosine 0.15). Catalog size does not move the best tool's cosine as it moves BM25 or
+    # the margins, so one floor holds for 5 tools or 500. None: no floor.
+    floor: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.coef)
@@ -268,10 +279,20 @@ class GateHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("gate head: weights do not match the feature count")
         if unknown := set(self.features) - set(GATE_SCALARS):
             raise ValueError(f"gate head: unknown features {sorted(unknown)}")
+        if self.floor is not None and not set(MATCH_FEATURES) <= set(self.features):
+            raise ValueError(f"gate head: a floor needs the features {list(MATCH_FEATURES)}")
 
     def probability(self, x: np.ndarray) -> np.ndarray:
         z = (x - np.asarray(self.mean)) / np.asarray(self.scale)
-        return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.bias)))
+        p = 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.bias)))
+        if self.floor is not None:
+            p = np.where(match(x, self.features) >= self.floor, p, p * BELOW_FLOOR)
+        return p
+
+
+def match(x: np.ndarray, names: Sequence[str]) -> np.ndarray:
+    """How well the catalog's best tool matches each text (rows of gate features `names`)."""
+    return np.max(x[:, [list(names).index(f) for f in MATCH_FEATURES]], axis=1)
 
 
 def similarities(vectors: np.ndarray, exemplars: np.ndarray, exclude_self: bool = False, high: np.ndarray | None = None,

@@ -23,7 +23,8 @@ from .config import Config
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, run, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
-from .learned import GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker, rank_features
+from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker,
+                      match, rank_features)
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
@@ -390,9 +391,14 @@ def fit(
     both = lambda pool, m: (np.vstack([x[pool][m], x_part[pool][m], x_absent[pool][m & absent]]),  # noqa: E731
                             np.concatenate([y[m], y[m], np.zeros(int((m & absent).sum()))]))
 
+    # The match floor, on the requests' out-of-fold features against the whole catalog (the
+    # same for every pool: the exemplars do not enter them).
+    floor = float(np.quantile(match(next(iter(x.values()))[pos], GATE_SCALARS), FLOOR_SHARE)) if pos.any() else None
+
     def head_of(c: Start, rows: np.ndarray) -> GateHead:
         k = c.strength
-        return fit_gate_head(*both(c.pool, rows), pooled[c.pool], k * l2, k * l2_embedding, features=GATE_SCALARS, prior=c.head)
+        head = fit_gate_head(*both(c.pool, rows), pooled[c.pool], k * l2, k * l2_embedding, features=GATE_SCALARS, prior=c.head)
+        return msgspec.structs.replace(head, floor=floor)
 
     # Out of fold, for the thresholds and, where the model has a built-in calibration, to
     # choose what the fit starts from (the objective's value on texts each head never saw).

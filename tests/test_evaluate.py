@@ -213,6 +213,25 @@ def test_gate_head_separates_and_round_trips():
         learned.GateHead(head.mean[:-1], head.scale, head.coef, head.bias, ex)
 
 
+def test_a_floor_on_the_best_match_scales_down_only_the_texts_under_it_and_keeps_their_order():
+    rng = np.random.default_rng(3)
+    names, dim = list(learned.GATE_SCALARS), 4
+    x = np.hstack([rng.uniform(0, 1, size=(50, len(names))), rng.normal(size=(50, dim))])
+    ex = learned.Exemplars.of(np.ones((1, dim)), np.ones((1, dim)))
+    head = learned.fit_gate_head(x, (x[:, 0] > 0.5).astype(float), ex, l2_embedding=100.0)
+    floored = msgspec.json.decode(msgspec.json.encode(msgspec.structs.replace(head, floor=0.5)), type=learned.GateHead)
+    best = np.maximum(x[:, names.index("cosine_top1")], x[:, names.index("cases_top1")])
+    p, q = head.probability(x), floored.probability(x)
+    assert np.allclose(q[best >= 0.5], p[best >= 0.5]) and np.allclose(q[best < 0.5], p[best < 0.5] * learned.BELOW_FLOOR)
+    assert 0 < (best < 0.5).sum() < len(x)
+    under = best < 0.5
+    assert (np.argsort(q[under]) == np.argsort(p[under])).all()
+    keep = [i for i in range(len(head.coef)) if names[i:i + 1] != ["cases_top1"]]  # a head without one of the two
+    with pytest.raises(ValueError, match="a floor needs"):
+        learned.GateHead(*([getattr(head, a)[i] for i in keep] for a in ("mean", "scale", "coef")), head.bias, ex,
+                         [f for f in names if f != "cases_top1"], floor=0.5)
+
+
 def test_a_head_pulled_toward_a_prior_keeps_what_the_prior_learned_and_data_moves_it():
     """`prior`: the fit is pulled toward another head's logit, rewritten in this fit's own
     standardised coordinates (other means and scales). Pulled hard, it gives the prior's

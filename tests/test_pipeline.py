@@ -72,6 +72,21 @@ def test_small_talk_stays_silent(pipe):
         assert d.path == "fallback" and d.threshold == pipe.thresholds.fallback
 
 
+def test_a_request_no_tool_of_the_catalog_answers_stays_silent(tmp_path_factory):
+    """With only a file server, questions about the weather or the time read like requests
+    (the head alone gave "what's the weather in Paris tomorrow?" 0.97) but no tool matches
+    them: the built-in head's match floor keeps them silent, and file requests still fire."""
+    for model in MODELS:
+        pipe = _pipeline(model, tmp_path_factory.mktemp("floor") / "s.db", [CATALOGS / "filesystem.json"])
+        assert pipe.head.floor is not None
+        for text in ["what's the weather in Paris tomorrow?", "is it going to rain in Berlin today?"]:
+            d = pipe.detect(text)
+            assert not d.fired and d.score < pipe.head.floor, (model, text, d.score)
+        for text in ["list the files in ~/Downloads", "read the README in my project folder"]:
+            d = pipe.detect(text)
+            assert d.fired, (model, text, d.score)
+
+
 def test_batch_matches_single_calls(pipe):
     texts = ["let me search my notes for the kubernetes setup", "please delete the note about groceries", "nice weather"]
     batch = pipe.detect_batch([Request(t) for t in texts])

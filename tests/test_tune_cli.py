@@ -125,6 +125,8 @@ def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
 
     fitted = calibration.read(cal)
     assert fitted.model == models.SMALL_MODEL and fitted.head is not None and fitted.ranker is not None
+    # the match floor: the least best-tool cosine 99% of the fitted requests reach
+    assert fitted.head.floor is not None and 0 < fitted.head.floor < 1
     assert fitted.thresholds.high == pytest.approx(out["calibration"]["high"])
     det = _cli("detect", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--calibration", cal, "hello there", tmp_path=tmp_path)
     assert det.returncode == 0, det.stderr
