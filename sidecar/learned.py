@@ -13,7 +13,8 @@ Three small fitted pieces; the first two are saved in a calibration file:
   L2) on the text's embedding and on features that mean the same for any catalog (the
   ranker's top score and margins, BM25, source, pattern path, and how close the text is to
   known tool requests and to known talk that needs no tool). Thresholds are then
-  probabilities, on the same scale for every model.
+  probabilities, on the same scale for every model. Under its match floor (the best tool's
+  cosine 99% of the fitted requests reach) a text's probability is scaled down to fire at no bar.
 * `Classifier`: for a catalog whose tools carry their own example `cases`, a softmax
   regression over the tools fitted on those cases' embeddings when the index is built (no
   labelled data needed); its log-probability is the ranker's fourth view. Cases say what a
