@@ -333,13 +333,11 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
             continue
         sub = sims[np.ix_(at, cols)]
         best[at] = sub.max(axis=1)
-        asks = [j for j in at if items[j].positive]
-        for j, row in zip(at, sub):
-            if items[j].positive:
-                cosine[j] = list(names[cols[np.argsort(-row, kind="stable")[:k]]])
+        asks = [(j, row) for j, row in zip(at, sub) if items[j].positive]
+        cosine.update((j, list(names[cols[np.argsort(-row, kind="stable")[:k]]])) for j, row in asks)
         for kind, ranked in lexical.items():
             index = LexicalIndex(tools, kind)
-            ranked.update((j, [n for n, _ in index.rank(items[j].text, k)]) for j in asks)
+            ranked.update((j, [n for n, _ in index.rank(items[j].text, k)]) for j, _ in asks)
     positives = [i for i in items if i.positive]
     in_order = lambda ranked: [ranked.get(j, []) for j, i in enumerate(items) if i.positive]  # noqa: E731
     pos = np.array([i.positive for i in items])
