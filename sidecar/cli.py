@@ -301,7 +301,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import catalog as catalog_mod
     from . import store as store_mod
     from . import tune
-    from .evaluate import against_whole_catalog, read_labeled
+    from .evaluate import read_labeled
 
     cfg = _config(args)
     objective = tune.Objective.parse(args.objective)
@@ -316,7 +316,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         plot.require_matplotlib()
     cat = catalog_mod.load(cfg.catalogs)
-    items = against_whole_catalog([i for path in args.labeled for i in read_labeled(path, cat)], "tune")
+    items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
                       progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start,

@@ -312,6 +312,23 @@ def offers(items: Sequence[Labeled], catalog: Catalog) -> dict[Catalog | None, l
     return {None if names is None else Catalog([t for t in catalog if t.name in names]): at for names, at in groups.items()}
 
 
+def judge_each(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Decision], list[list[str]]]:
+    """The pipeline's decision on every item and its ranking (the ranker's, no recommender)
+    of every positive, in item order, each item against the tools it is judged against."""
+    from .pipeline import Request
+
+    decisions: list[Decision | None] = [None] * len(items)
+    ranked: dict[int, list[str]] = {}
+    for offered, at in offers(items, pipe.catalog).items():
+        own = pipe if offered is None else pipe.with_catalog(offered, persist=False)
+        some = [items[j] for j in at]
+        for j, item, d, vector in zip(at, some, *judged(own, some)):
+            decisions[j] = d
+            if item.positive:
+                ranked[j] = [c.tool for c in own.rank_batch([Request(item.text, item.source)], k, vector)[0]]
+    return decisions, [ranked[j] for j in sorted(ranked)]  # type: ignore[return-value]
+
+
 def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and

@@ -149,11 +149,14 @@ def fit_classifier(x: np.ndarray, labels: np.ndarray, tools: int, l2: float = CL
     return Classifier(coef, (b - (mu / sd) @ w).astype(np.float32))
 
 
-def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float = 1e-4, iters: int = 400, lr: float = 0.5) -> Ranker:
+def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float = 1e-4, iters: int = 400, lr: float = 0.5,
+               offered: np.ndarray | None = None) -> Ranker:  # fmt: skip
     """Listwise softmax: maximise the probability mass on each text's expected tools. The
     softmax sharpness is part of the weights (cosines differ by hundredths, so they grow
-    large); Adam keeps the steps stable across that range."""
+    large); Adam keeps the steps stable across that range. `offered` (n, tools): the tools
+    each text was judged against (BFCL's protocol; all where None), the softmax over those."""
     n, tools, k = features.shape
+    shut = _shut(offered)
     y = np.zeros((n, tools), np.float32)
     for r, expected in enumerate(targets):
         y[r, list(expected)] = 1.0 / len(expected)
@@ -163,7 +166,7 @@ def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float
     m = np.zeros(k)
     v = np.zeros(k)
     for step in range(1, iters + 1):
-        z = features @ w
+        z = features @ w + shut
         z -= z.max(axis=1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=1, keepdims=True)
@@ -172,6 +175,11 @@ def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float
         v = 0.999 * v + 0.001 * grad * grad
         w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
     return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
+
+
+def _shut(offered: np.ndarray | None) -> np.ndarray | float:
+    """What a softmax's logits get added: -inf for the tools a text was not offered, else 0."""
+    return 0.0 if offered is None else np.where(offered, 0.0, -np.inf).astype(np.float32)
 
 
 class Known(NamedTuple):
@@ -186,11 +194,12 @@ class Known(NamedTuple):
 
 def fit_query_adapter(queries: np.ndarray, primary: np.ndarray, rows: np.ndarray, starts: np.ndarray, fixed: np.ndarray,
                       targets: Sequence[Sequence[int]], weights: Sequence[float], l2: float = 0.1, iters: int = 50,
-                      lr: float = 3e-3) -> QueryAdapter:  # fmt: skip
+                      lr: float = 3e-3, offered: np.ndarray | None = None) -> QueryAdapter:  # fmt: skip
     """The `QueryAdapter` that maximises the ranker's softmax mass on each request's expected
     tools, the ranker's weights held fixed: `queries` (n, dim) raw, `primary` (tools, dim) and
     `rows` (rows, dim) the index's vectors, `starts` each tool's first row, `fixed` (n, tools)
-    the blend's part the adapter does not move (BM25, classifier). Full W from zero, L2, Adam.
+    the blend's part the adapter does not move (BM25, classifier); `offered` as in
+    `fit_ranker`. Full W from zero, L2, Adam.
     Chosen on 3 folds split by server inside fixtures/corpus/fit.jsonl (MiniLM): a full W beat
     low rank (16, 32), a diagonal and a tool-side map, and refitting the ranker afterwards lost."""
     n, dim = queries.shape
@@ -200,7 +209,7 @@ def fit_query_adapter(queries: np.ndarray, primary: np.ndarray, rows: np.ndarray
     for r, expected in enumerate(targets):
         y[r, list(expected)] = 1.0 / len(expected)
     wc, wk = TEMPERATURE * float(weights[0]), TEMPERATURE * float(weights[2]) if len(weights) > 2 else 0.0
-    base = TEMPERATURE * fixed
+    base = TEMPERATURE * fixed + _shut(offered)
     w = np.zeros((dim, dim), np.float32)
     m, v = np.zeros_like(w), np.zeros_like(w)
     for step in range(1, iters + 1):

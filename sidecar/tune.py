@@ -20,7 +20,7 @@ import numpy as np
 from .calibration import Calibration, builtin
 from .catalog import SEP, Catalog
 from .config import Config
-from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, run, simple_gate, simple_gate_features
+from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, judge_each, ranking_report, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached
 from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker,
@@ -345,51 +345,61 @@ def fit(
     # and exemplars fitted without it (without its whole server, where there are servers).
     # Features from a ranker that has seen the text look surer than a new catalog's will, and
     # thresholds chosen on them let through less than they promise.
-    plain = pipe.views(requests, q)  # the default ranker's (no adapter): the views every ranker is fitted on
-    features = np.stack([rank_features(v.cosine, v.bm25, v.cases, v.logits)[0] for v in plain])
-    position = {n: k for k, n in enumerate(pipe.index_for("user").names)}
+    names = pipe.index_for("user").names
+    offers = Offers(pipe, fit_items)
+    plain = offers.views(pipe.views(requests, q))  # the default ranker's (no adapter): the views every ranker is fitted on
+    features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits)[0]) for k, v in enumerate(plain)])
+    position = {n: k for k, n in enumerate(names)}
     targets = [[position[t] for t in i.expected] for i in fit_items]
-    folds = _folds(fit_items, [_best_tool(v) for v in plain], seed)
+    folds = _folds(fit_items, [offers.best_tool(k, v) for k, v in enumerate(plain)], seed)
     starts = _starts(pipe.embedder.name, start)
     pools = {c.pool: c.extra for c in starts}  # the exemplar sets the features are computed against
     x = {pool: np.zeros((len(fit_items), len(GATE_SCALARS) + q.shape[1])) for pool in pools}
     x_part = {pool: np.zeros_like(x[pool]) for pool in pools}
     x_absent = {pool: np.zeros_like(x[pool]) for pool in pools}
     absent = pos & (np.random.default_rng(seed + 1).random(len(fit_items)) < absent_share)
-    tools: list[str] = [""] * len(fit_items)
+    tools = np.full((3, len(fit_items)), "", object)  # each row's best tool, out of fold: whole catalog, part, part without its tools
     for f in range(FOLDS):
         train, test = np.flatnonzero(folds != f), np.flatnonzero(folds == f)
         if not len(test):
             continue
         say(f"fold {f + 1}/{FOLDS}: fitting the ranker and the query adapter without {len(test)} texts")
-        pipe.ranker = _fit_ranker(pipe, q, features, targets, train[pos[train]])
+        pipe.ranker = _fit_ranker(pipe, q, features, targets, train[pos[train]], offers.matrix)
         fold_own = _exemplars(q[train], pos[train], high[train], seed)
         known = {pool: fold_own.plus(extra).arrays() for pool, extra in pools.items()}
         sub, subreq, subscr = [fit_items[k] for k in test], [requests[k] for k in test], [screens[k] for k in test]
-        views = pipe.views(subreq, q[test])
+        wide = pipe.views(subreq, q[test])
+        views = offers.views(wide, test)
         for pool in pools:
-            x[pool][test] = pipe.gate_inputs(subreq, q[test], views, subscr, known[pool], exclude_self=True, names=GATE_SCALARS)
+            x[pool][test] = offers.gate_inputs(subreq, q[test], views, subscr, known[pool])
         # Each text once more against a smaller catalog (a random part of its servers): users
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
-        parts, _ = _against_parts(pipe, sub, subreq, q[test], views, subscr, list(known.values()), np.random.default_rng(seed + f))
+        parts, _, tools[1, test] = _against_parts(offers, test, sub, subreq, q[test], wide, subscr, list(known.values()), np.random.default_rng(seed + f))
         for pool, xp in zip(pools, parts):
             x_part[pool][test] = xp
         if (at := np.flatnonzero(absent[test])).size:  # positions in this fold's lists
             gone = test[at]
-            parts, absent[gone] = _against_parts(pipe, [sub[k] for k in at], [subreq[k] for k in at], q[gone], [views[k] for k in at],
+            parts, absent[gone], tools[2, gone] = _against_parts(offers, gone, [sub[k] for k in at], [subreq[k] for k in at], q[gone], [wide[k] for k in at],
                                                  [subscr[k] for k in at], list(known.values()), np.random.default_rng(seed + f), absent=True)  # fmt: skip
             for pool, xp in zip(pools, parts):
                 x_absent[pool][gone] = xp
-        for k, v in zip(test, views):
-            tools[k] = _best_tool(v)  # out of fold
+        tools[0, test] = [offers.best_tool(k, v) for k, v in zip(test, views)]
     say(f"fitting the ranker and the query adapter on {int(pos.sum())} tool requests")
-    ranker = pipe.ranker = _fit_ranker(pipe, q, features, targets, np.flatnonzero(pos))
+    ranker = pipe.ranker = _fit_ranker(pipe, q, features, targets, np.flatnonzero(pos), offers.matrix)
     own = _exemplars(q, pos, high, seed)
     pooled = {pool: own.plus(extra) for pool, extra in pools.items()}  # what a head keeps for its neighbourhood
-    correct = [bool(i.positive and t in i.expected) for i, t in zip(fit_items, tools)]
     say(f"fitting the gate head on {2 * len(fit_items) + int(absent.sum())} rows ({FOLDS}-fold for the thresholds)")
     both = lambda pool, m: (np.vstack([x[pool][m], x_part[pool][m], x_absent[pool][m & absent]]),  # noqa: E731
                             np.concatenate([y[m], y[m], np.zeros(int((m & absent).sum()))]))
+    # The thresholds are chosen on every row the head learns from, out of fold: each text
+    # against the whole catalog and against a part of it (and, with `absent_share`, against a
+    # part without its tools). On the whole-catalog rows alone the bar suited hundreds of tools
+    # and caught fewer requests among one server's few (README, "Quality").
+    kinds = np.array([s.kind for s in screens], object)
+    rows = np.concatenate([np.arange(len(fit_items))] * 2 + [np.flatnonzero(absent)])  # the fit text of each row
+    row_y = np.concatenate([y, y, np.zeros(int(absent.sum()))]) > 0
+    row_tool = np.concatenate([tools[0], tools[1], tools[2, absent]])
+    correct = [bool(p and t in fit_items[k].expected) for k, p, t in zip(rows, row_y, row_tool)]
 
     # The match floor, on the requests' out-of-fold features against the whole catalog (the
     # same for every pool: the exemplars do not enter them).
@@ -404,23 +414,24 @@ def fit(
     # choose what the fit starts from (the objective's value on texts each head never saw).
     tried: dict[str, float] = {}
     for c in starts:  # ties keep the earlier, simpler start
-        p = np.full(len(fit_items), -1.0)
+        row_x = both(c.pool, np.ones(len(fit_items), bool))[0]  # rows in the order of `rows`
+        p = np.full(len(rows), -1.0)
         for f in range(FOLDS):
-            train, test = folds != f, folds == f
+            train, test = folds != f, folds[rows] == f
             if train.sum() and test.sum():
-                p[test] = head_of(c, train).probability(x[c.pool][test])
-        tried[c.name] = _oof_value(GateScores([s.kind for s in screens], p.tolist(), pos.tolist(), correct), objective)
+                p[test] = head_of(c, train).probability(row_x[test])
+        tried[c.name] = _oof_value(GateScores(kinds[rows].tolist(), p.tolist(), row_y.tolist(), correct), objective)
         if c is starts[0] or tried[c.name] > tried[chosen.name]:
             chosen, oof = c, p
     if len(starts) > 1:
         say("start: " + ", ".join(f"{n} {v:.3f}" for n, v in tried.items()) + f" out of fold ({objective}): {chosen.name}")
     head = head_of(chosen, np.ones(len(fit_items), bool))
     scores = GateScores(
-        path=[s.kind for s in screens],
+        path=kinds[rows].tolist(),
         score=oof.tolist(),
-        positive=pos.tolist(),
+        positive=row_y.tolist(),
         correct=correct,
-        tool=tools,
+        tool=row_tool.tolist(),
     )
     # One bar for both paths: the head already reads the path (its `high` feature), and a
     # second, searched bar chased the folds: with "look at/into/through" added to the high
@@ -437,15 +448,15 @@ def fit(
         say(f"judging the {len(held_idx)} held-out texts")
         pipe.head, pipe.thresholds = head, fitted.thresholds
         held = [items[i] for i in held_idx]
-        decisions = run(pipe, held)
+        decisions, rankings = judge_each(pipe, held)
         g = gate_report(held, decisions)
-        r = ranking_report(held, [[c.tool for c in cands] for cands in pipe.rank_batch([Request(i.text, i.source) for i in held], 10)])
+        r = ranking_report([i for i in held if i.positive], rankings)
         say("fitting and judging the baselines")
         ranked, cosine_gate = baselines(pipe, held)
         base = {b.kind: b.ranking.top1 for b in ranked}
         d = description_vectors(pipe)  # plain cosine: the texts' vectors, already here, against the descriptions
-        simple = simple_gate(simple_gate_features(q @ d.T, q), y, folds)
-        p = simple(simple_gate_features(vectors[held_idx] @ d.T, vectors[held_idx]))
+        simple = simple_gate(simple_gate_features(offers.only_offered(q @ d.T), q), y, folds)
+        p = simple(simple_gate_features(Offers(pipe, held).only_offered(vectors[held_idx] @ d.T), vectors[held_idx]))
         yh = np.array([i.positive for i in held])
         heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr,
                           g.auroc, cosine_gate.auroc, auroc(p[yh], p[~yh]), base["cosine"], base["bm25"])  # fmt: skip
@@ -524,63 +535,128 @@ def _folds(items: Sequence[Labeled], nearest: Sequence[str], seed: int) -> np.nd
     return np.array([fold_of.get(owner(i, t), r) for i, t, r in zip(items, nearest, random)])
 
 
-def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Sequence[Sequence[int]], rows: np.ndarray) -> Ranker:
+def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Sequence[Sequence[int]], rows: np.ndarray,
+                offered: np.ndarray | None = None) -> Ranker:  # fmt: skip
     """The view weights, then the query adapter with those weights held, on the tool requests
     `rows` (`features`: their unadapted views; `targets`: their tools' positions in the user
-    index). Without any, the default ranker."""
+    index; `offered`: the tools each text was judged against, None for all). Without any, the
+    default ranker."""
     if not len(rows):
         return Ranker()
     index = pipe.index_for("user")
     feats, wanted = features[rows], [targets[k] for k in rows]
-    ranker = fit_ranker(feats, wanted)
+    shown = None if offered is None else offered[rows]
+    ranker = fit_ranker(feats, wanted, offered=shown)
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
-    return Ranker(ranker.weights, fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights))
+    adapter = fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
+    return Ranker(ranker.weights, adapter)
 
 
-def _best_tool(v: Views) -> str:
-    return v.index.names[int(np.argmax(v.scores[0]))] if v.scores.shape[1] else ""
+class Offers:
+    """The tools each fit text was judged against: the whole catalog, or the ones its line
+    offers (BFCL's protocol; a log of what each chat was offered). A text's views narrow to
+    its tools, BM25 taken over those alone, as `eval` judges it (`Sidecar.with_catalog`)."""
+
+    def __init__(self, pipe: Pipeline, items: Sequence[Labeled]):
+        self.pipe, self.texts = pipe, [i.text for i in items]
+        self.names = np.asarray(pipe.index_for("user").names)
+        column = {n: j for j, n in enumerate(self.names)}
+        self.masks: list[np.ndarray | None] = []
+        for i in items:
+            mask = None
+            if i.offered is not None:
+                mask = np.zeros(len(self.names), bool)
+                mask[[column[t] for t in i.offered]] = True
+            self.masks.append(mask)
+        whole = np.ones(len(self.names), bool)
+        # (texts, tools): what each text's softmax ranges over; None where every text has every tool
+        self.matrix = None if all(m is None for m in self.masks) else np.vstack([whole if m is None else m for m in self.masks])
+        self._lexicals: dict[bytes, LexicalIndex] = {}
+
+    def only_offered(self, scores: np.ndarray) -> np.ndarray:
+        """(texts, tools) scores with -1 (no cosine is lower) for tools a text was not offered."""
+        return scores if self.matrix is None else np.where(self.matrix, scores, -1.0)
+
+    def allowed(self, k: int) -> np.ndarray:
+        m = self.masks[k]
+        return np.ones(len(self.names), bool) if m is None else m
+
+    def views(self, views: Sequence[Views], at: Sequence[int] | None = None) -> list[Views]:
+        """Each text's views (text positions `at`, all by default) over its own tools."""
+        at = range(len(views)) if at is None else at
+        return [v if self.masks[k] is None else self.narrow(v, self.texts[k], self.masks[k]) for k, v in zip(at, views)]
+
+    def narrow(self, v: Views, text: str, mask: np.ndarray) -> Views:
+        """Whole-catalog views `v` of `text` over the tools of `mask`, scored by the pipe's ranker."""
+        key = np.packbits(mask).tobytes()
+        if key not in self._lexicals:
+            self._lexicals[key] = LexicalIndex(Catalog([t for t, m in zip(self.pipe.catalog, mask) if m]), "bm25")
+        cosine, cases = v.cosine[:, mask], v.cases[:, mask]
+        bm25 = self._lexicals[key].scores(text)[None, :] if mask.any() else np.zeros((1, 0), np.float32)
+        logits = None if v.logits is None else v.logits[:, mask]  # renormalised over these tools by rank_features
+        return Views(v.index, self.pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
+
+    def widen(self, k: int, row: np.ndarray) -> np.ndarray:
+        """Text k's per-tool rows over its own tools, placed at their catalog positions (zeros elsewhere)."""
+        if (m := self.masks[k]) is None:
+            return row
+        out = np.zeros((len(m), *row.shape[1:]), row.dtype)
+        out[m] = row
+        return out
+
+    def best_tool(self, k: int, v: Views) -> str:
+        if not v.scores.shape[1]:
+            return ""
+        return str(self.names[self.allowed(k)][int(np.argmax(v.scores[0]))])
+
+    def gate_inputs(self, requests, q: np.ndarray, views: Sequence[Views], screens, known: Known) -> np.ndarray:
+        """The gate head's fit rows for `views`, each against its own tools (batched by how many)."""
+        out = np.zeros((len(views), len(GATE_SCALARS) + q.shape[1]))
+        widths = np.array([v.scores.shape[1] for v in views])
+        for width in np.unique(widths):
+            rows = np.flatnonzero(widths == width)
+            out[rows] = self.pipe.gate_inputs([requests[j] for j in rows], q[rows], [views[j] for j in rows], [screens[j] for j in rows],
+                                              known, exclude_self=True, names=GATE_SCALARS)  # fmt: skip
+        return out
 
 
 PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def _against_parts(pipe: Pipeline, items, requests, q, views, screens, knowns: Sequence[Known], rng,
-                   absent: bool = False) -> tuple[list[np.ndarray], np.ndarray]:  # fmt: skip
-    """Gate features of each text against a smaller catalog: one of PARTS random sets of
-    servers (of single tools, for a one-server catalog), plus the text's own expected tools.
-    Users bring 5 tools or 500; the head should mean the same for both. With `absent`, the
-    part leaves out the servers of the text's tools instead: a request the catalog does not
-    answer, which should stay silent (BFCL's irrelevant requests, an intent set's
-    out-of-scope ones). Also returned: which texts had any tool left to be judged against."""
-    names = views[0].index.names if views else []
-    group = np.asarray([server_of(n) for n in names])
+def _against_parts(offers: Offers, at: Sequence[int], items, requests, q, views, screens, knowns: Sequence[Known], rng,
+                   absent: bool = False) -> tuple[list[np.ndarray], np.ndarray, list[str]]:  # fmt: skip
+    """Gate features of each text (positions `at`; whole-catalog `views`) against a smaller
+    catalog: one of PARTS random sets of servers (of single tools, for a one-server catalog),
+    plus the text's own expected tools, within the tools it was offered. Users bring 5 tools
+    or 500; the head should mean the same for both. With `absent`, the part leaves out the
+    servers of the text's tools instead: a request the catalog does not answer, which should
+    stay silent (BFCL's irrelevant requests, an intent set's out-of-scope ones). Also
+    returned: which texts had any tool left to be judged against, and each one's best tool there."""
+    pipe = offers.pipe
+    group = np.asarray([server_of(n) for n in offers.names])
     servers = np.unique(group)
     xs = [np.zeros((len(items), len(GATE_SCALARS) + q.shape[1])) for _ in knowns]
     part_of = rng.integers(0, PARTS, len(items))
     parts = [np.isin(group, rng.choice(servers, size=int(rng.integers(1, max(2, len(servers) // 2 + 1))), replace=False)) for _ in range(PARTS)]
-    lexicals: dict[bytes, LexicalIndex] = {}
     judged = np.ones(len(items), bool)
+    best = [""] * len(items)
     for k, item in enumerate(items):
+        allowed = offers.allowed(at[k])
         own = np.isin(group, [server_of(t) for t in item.expected])
-        mask = parts[part_of[k]] | own
-        if absent:  # the part less the text's servers; the whole catalog less them, where the part was only those
-            mask = parts[part_of[k]] & ~own
-            mask = mask if mask.any() else ~own
-        if not mask.any():
-            judged[k] = False
-            continue
-        key = np.packbits(mask).tobytes()
-        if key not in lexicals:
-            lexicals[key] = LexicalIndex(Catalog([t for t, m in zip(pipe.catalog, mask) if m]), "bm25")
-        v = views[k]
-        cosine, bm25 = v.cosine[:, mask], lexicals[key].scores(requests[k].text)[None, :]
-        cases = v.cases[:, mask]
-        logits = None if v.logits is None else v.logits[:, mask]  # renormalised over the part by rank_features
-        part = Views(v.index, pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
+        mask = (parts[part_of[k]] | own) & allowed
+        mask = mask if mask.any() else allowed  # a text needing none, offered nothing of the part: all it was offered
+        if absent:  # the part less the text's servers; all it was offered less them, where the part was only those
+            mask = parts[part_of[k]] & ~own & allowed
+            mask = mask if mask.any() else ~own & allowed
+            if not mask.any():
+                judged[k] = False
+                continue
+        part = offers.narrow(views[k], requests[k].text, mask)
+        best[k] = str(offers.names[mask][int(np.argmax(part.scores[0]))]) if mask.any() else ""
         for x, kn in zip(xs, knowns):
             x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
-    return xs, judged
+    return xs, judged, best
 
 
 def server_of(tool: str) -> str:

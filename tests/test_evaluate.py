@@ -193,6 +193,26 @@ def test_fit_ranker_learns_which_view_carries_the_answer():
     assert (ranker.score(feats).argmax(axis=1) == answer).mean() > 0.9
 
 
+def test_fit_ranker_weighs_only_the_tools_each_text_was_offered():
+    """BFCL's protocol: a text is ranked among the tools its line offers. A view that puts
+    tools never offered on top says nothing against the offered ones; fitted over every tool
+    it looks harmful, over the offered ones it is the view that knows."""
+    rng = np.random.default_rng(4)
+    n, tools = 300, 20
+    answer = rng.integers(0, 10, n)  # every answer among tools 0-9, each text offered those
+    offered = np.zeros((n, tools), bool)
+    offered[:, :10] = True
+    view = rng.normal(0.3, 0.05, (n, tools))
+    view[np.arange(n), answer] += 0.2
+    view[:, 10:] += 0.5  # tools 10-19, never offered, score higher still
+    feats = np.stack([view, rng.normal(0.3, 0.05, (n, tools))], axis=-1)
+    targets = [[a] for a in answer]
+    whole, own = learned.fit_ranker(feats, targets), learned.fit_ranker(feats, targets, offered=offered)
+    among = lambda r: (np.where(offered, r.score(feats), -np.inf).argmax(axis=1) == answer).mean()  # noqa: E731
+    assert whole.weights[0] < 0 < own.weights[0]
+    assert among(own) > 0.9 > among(whole) + 0.3
+
+
 def test_gate_head_separates_and_round_trips():
     rng = np.random.default_rng(5)
     dim = 8

@@ -253,15 +253,13 @@ def test_offered_tools_must_be_known_and_hold_the_expected_ones(tmp_path):
     assert run.returncode == 2 and f"{bad}:1: expected tool(s) not among the offered ones: create_note" in run.stderr
 
 
-def test_tune_and_cascade_refuse_items_that_offer_their_own_tools(labeled, tmp_path):
+def test_cascade_refuses_items_that_offer_their_own_tools(labeled, tmp_path):
     offered = tmp_path / "offered.jsonl"
     offered.write_text("".join(json.dumps({**json.loads(line), "offered": NOTE_TOOLS}) + "\n" for line in labeled.read_text().splitlines()))
-    run = _cli("tune", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", offered, tmp_path=tmp_path)
-    assert run.returncode == 2 and "tune judges every text against the whole catalog" in run.stderr
-    assert f"{len(POSITIVES) + len(NEGATIVES)} item(s) offer their own tools" in run.stderr
     for extra in ((), ("--out-of-fold",)):
         run = _cli("cascade", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", offered, *extra, tmp_path=tmp_path)
         assert run.returncode == 2 and "cascade judges every text against the whole catalog" in run.stderr
+        assert f"{len(POSITIVES) + len(NEGATIVES)} item(s) offer their own tools" in run.stderr
     assert not (tmp_path / "cli.db").exists()  # refused before the store or a model was touched
 
 
@@ -322,3 +320,51 @@ def test_simple_gate_chooses_its_penalty_out_of_fold_and_separates_what_is_separ
     assert x.shape == (300, 3 + 16)
     p = simple_gate(x[:200], y[:200], np.arange(200) % 5)(x[200:])
     assert auroc(p[y[200:] > 0], p[y[200:] == 0]) > 0.85
+
+
+def test_tune_on_items_that_offer_every_tool_fits_what_it_fits_on_items_that_offer_nothing(labeled, tmp_path):
+    """`tune` fits each line against the tools it offers (BFCL's protocol, or a log of what each
+    chat was offered): offering every tool must change no weight, threshold or figure."""
+    every = tmp_path / "every.jsonl"
+    every.write_text("".join(json.dumps({**json.loads(line), "offered": NOTE_TOOLS[::-1]}) + "\n" for line in labeled.read_text().splitlines()))
+    outs = []
+    for path in (labeled, every):
+        cal = tmp_path / f"{path.stem}.cal.json"
+        run = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", path,
+                   "--heldout-fraction", "0.3", "--start", "none", "--out", cal, tmp_path=tmp_path)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        out = json.loads(run.stdout)
+        outs.append((cal.read_bytes(), {k: out[k] for k in ("calibration", "ranker", "fit", "heldout")}))
+    assert outs[0] == outs[1]
+
+
+def test_tune_fits_and_judges_each_item_against_only_the_tools_it_offers(labeled, tmp_path):
+    """Each request offers its own tool and one other; each text needing none one tool. The
+    held-out part is judged as `eval` judges it (each against its own tools), and the fit
+    differs from one against the whole catalog."""
+    rng = __import__("random").Random(1)
+    lines = [json.loads(line) for line in labeled.read_text().splitlines()]
+    for x in lines:
+        x["offered"] = [x["expect"], rng.choice([t for t in NOTE_TOOLS if t != x["expect"]])] if x["expect"] else rng.sample(NOTE_TOOLS, 1)
+    path = tmp_path / "offered.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cal = tmp_path / "cal.json"
+    run = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", path,
+               "--heldout-fraction", "0.4", "--seed", "3", "--start", "none", "--out", cal, tmp_path=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    h = out["heldout"]
+    from sidecar import tune
+
+    _, held_idx = tune.split(len(lines), 0.4, 3)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(lines[i]) + "\n" for i in held_idx))
+    ev = _eval_json(held, tmp_path, "--calibration", cal)
+    assert h["n"] == len(held_idx) == ev["n"]
+    assert h["top1"] == pytest.approx(ev["ranking_ranker"]["top1"]) and h["auroc"] == pytest.approx(ev["gate"]["auroc"])
+    assert h["tp_rate"] == pytest.approx(ev["gate"]["tp_rate"]) and h["fp_rate"] == pytest.approx(ev["gate"]["fp_rate"])
+    assert h["cosine_top1"] == pytest.approx({b["kind"]: b["ranking"]["top1"] for b in ev["baselines"]}["cosine"])
+    whole = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled,
+                 "--heldout-fraction", "0.4", "--seed", "3", "--start", "none", tmp_path=tmp_path)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads(whole.stdout)["ranker"]["weights"] != out["ranker"]["weights"]
