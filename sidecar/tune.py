@@ -705,7 +705,8 @@ def describe(f: Fitted) -> str:
         "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier"), r.weights))
         + (", after a query adapter" if r.adapter is not None else ""),
         f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
-        f"  out-of-fold on the fit part: TP {f.fit.tp_rate:.1%}, FP {f.fit.fp_rate:.1%}, accuracy {f.fit.accuracy:.1%}, right tool {f.fit.correct_rate:.1%}",
+        f"  out-of-fold on the fit part (each text against the catalog and against a part of it): TP {f.fit.tp_rate:.1%}, "
+        f"FP {f.fit.fp_rate:.1%}, accuracy {f.fit.accuracy:.1%}, right tool {f.fit.correct_rate:.1%}",
     ] + ([
         f"  gate head started from: {START_WORDS[f.start]} (out of fold, {f.objective}: "
         + ", ".join(f"{START_WORDS[n]} {v:.3f}" for n, v in f.starts.items()) + ")",
