@@ -15,7 +15,7 @@ import msgspec
 from . import models
 from .config import GateConfig
 from .gate import Thresholds
-from .learned import GateHead, Ranker
+from .learned import Examples, GateHead, Ranker
 
 
 class CalibrationError(ValueError):
@@ -30,6 +30,7 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
     llm_strategy: str | None = None
     ranker: Ranker | None = None  # fitted view weights; None: cosine + a little BM25
     head: GateHead | None = None  # the gate as a probability; None: thresholds are cosines
+    examples: Examples | None = None  # the tune's labelled requests, for a classifier over own cases
 
 
 # What a model gets when nothing else is said: the calibration shipped in the package

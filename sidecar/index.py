@@ -33,7 +33,7 @@ from . import cases as cases_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
-from .learned import Classifier, fit_classifier
+from .learned import Classifier, Examples, fit_classifier
 from .store import Store, StoreBusy, text_key
 
 
@@ -227,13 +227,16 @@ def wants_classifier(catalog: Catalog) -> bool:
     return 2 <= n <= MAX_CLASSIFIER_TOOLS and own >= OWN_CASES_SHARE * n
 
 
-def classifier_for(index: ToolIndex, model: str) -> Classifier:
-    """The softmax classifier over the index's tools, fitted on every tool's rows (memoised)."""
-    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in index.names))
+def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None) -> Classifier:
+    """The softmax classifier over the index's tools, fitted on every tool's rows and on the
+    `examples` asking for them (memoised)."""
+    extra, labels = examples.rows_for(index.names) if examples is not None else (np.zeros((0, index.dim), np.float32), np.zeros(0, int))
+    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in index.names), hashlib.sha256(extra.tobytes() + labels.tobytes()).hexdigest())
     if key not in _classifiers:
         while len(_classifiers) >= 4:
             _classifiers.pop(next(iter(_classifiers)))
-        _classifiers[key] = fit_classifier(index.matrix, index.row_tool, len(index.names))
+        rows, row_tool = np.vstack([index.matrix, extra]), np.concatenate([index.row_tool, labels])
+        _classifiers[key] = fit_classifier(rows, row_tool, len(index.names))
     return _classifiers[key]
 
 
@@ -272,9 +275,11 @@ class ToolIndex:
         store: Store | None = None,
         previous: ToolIndex | None = None,
         persist: bool = True,
+        examples: Examples | None = None,
     ) -> ToolIndex:
         """Index a catalog, embedding only texts neither `previous` nor the store has; with
-        `persist`, what was embedded is kept in the store for the next start."""
+        `persist`, what was embedded is kept in the store for the next start. `examples`:
+        labelled requests its classifier (if it fits one) learns from too."""
         t0 = time.perf_counter()
         prev = previous.entries if previous is not None and previous.strategy == strategy else {}
         hashes = {tool.name: tool.content_hash for tool in catalog}
@@ -321,7 +326,7 @@ class ToolIndex:
         from_rows = {t for name in read for t in [*entries[name].texts, entries[name].primary_text]}
         index = cls(strategy, entries, embedder.dim)
         if wants_classifier(catalog):
-            index.classifier = classifier_for(index, embedder.identity)
+            index.classifier = classifier_for(index, embedder.identity, examples)
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),

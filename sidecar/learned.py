@@ -114,6 +114,28 @@ class Classifier(msgspec.Struct, frozen=True):
         return np.atleast_2d(vectors) @ self.coef + self.bias
 
 
+class Examples(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Labelled requests `tune` fitted on, each with the one tool it asked for (float16 unit
+    vectors, embedded as queries). A catalog whose tools carry their own cases fits its
+    classifier on these rows too: a tool is also what users ask of it, Tool2Vec's idea, from
+    the texts a user labelled (README, "Quality")."""
+
+    dim: int
+    tools: list[str]  # per row
+    vectors: bytes
+
+    @classmethod
+    def of(cls, tools: Sequence[str], vectors: np.ndarray) -> Examples:
+        return cls(int(vectors.shape[1]), list(tools), np.asarray(vectors, np.float16).tobytes())
+
+    def rows_for(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows asking for one of `names`, and each one's position in `names`."""
+        column = {n: j for j, n in enumerate(names)}
+        keep = [r for r, t in enumerate(self.tools) if t in column]
+        v = np.frombuffer(self.vectors, np.float16).reshape(-1, self.dim)[keep].astype(np.float32)
+        return v, np.array([column[self.tools[r]] for r in keep], int)
+
+
 CLASSIFIER_L2 = 1e-3
 CLASSIFIER_ITERS = 300
 

@@ -28,7 +28,7 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Screen, Thresholds, Timing, judge, screen
 from .index import ToolIndex
-from .learned import GATE_SCALARS, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
+from .learned import GATE_SCALARS, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .store import Store, open_store
@@ -107,6 +107,7 @@ class Pipeline:
         ranker: Ranker | None = None,
         head: GateHead | None = None,
         query_cache: int = 0,
+        examples: Examples | None = None,
     ):
         self.embedder = embedder
         self.queries = QueryCache(query_cache)
@@ -119,6 +120,7 @@ class Pipeline:
         self.catalog = catalog
         self.ranker = ranker or Ranker()
         self.head = head  # the gate as a probability; None: thresholds compare raw scores
+        self.examples = examples  # labelled requests a classifier over own cases learns from too
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog)
 
@@ -128,7 +130,7 @@ class Pipeline:
         built: dict[str, ToolIndex] = {}
         for strategy in dict.fromkeys(self.strategies.values()):
             key = str(strategy)
-            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist)
+            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist, self.examples)
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
         return built
@@ -341,5 +343,5 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
         "user": Strategy.parse(cfg.index.user_strategy or (cal and cal.user_strategy) or calib.DEFAULT_USER_STRATEGY),
         "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
-    ranker, head = (cal.ranker, cal.head) if cal is not None else (None, None)
-    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache)
+    ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
+    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples)

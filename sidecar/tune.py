@@ -22,8 +22,8 @@ from .catalog import SEP, Catalog
 from .config import Config
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, judge_each, ranking_report, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
-from .index import embed_cached
-from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker,
+from .index import embed_cached, wants_classifier
+from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Examples, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker,
                       match, rank_features)
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
@@ -441,12 +441,16 @@ def fit(
     # 89.7% -> 87.0%, one tool's bar at 0.001; HWU64 70.1% -> 69.1%): a probability already
     # means the same for every tool.
     fitted = fit_gate(scores, objective, per_tool=False, shared=True)
+    examples = _examples(fit_items, q, catalog)
     cal = Calibration(pipe.embedder.name, fitted.thresholds, pipe.embedder.prefixes is not None,
-                      str(pipe.strategies["user"]), str(pipe.strategies["llm"]), ranker, head)  # fmt: skip
+                      str(pipe.strategies["user"]), str(pipe.strategies["llm"]), ranker, head, examples)  # fmt: skip
     heldout = Heldout(math.nan, math.nan, math.nan, math.nan, 0)
     if held_idx:
         say(f"judging the {len(held_idx)} held-out texts")
         pipe.head, pipe.thresholds = head, fitted.thresholds
+        if examples is not None:  # the classifier learns from them as the calibration's will
+            pipe.examples = examples
+            pipe.reindex(catalog, persist=False)
         held = [items[i] for i in held_idx]
         decisions, rankings = judge_each(pipe, held)
         g = gate_report(held, decisions)
@@ -551,6 +555,26 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     fixed = ranker.score(feats * unmoved)
     adapter = fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
     return Ranker(ranker.weights, adapter)
+
+
+MAX_EXAMPLES = 100  # per tool: the classifier's rows stay a few per tool's own cases
+
+
+def _examples(items: Sequence[Labeled], q: np.ndarray, catalog: Catalog) -> Examples | None:
+    """The fit part's requests for exactly one tool, for a catalog that fits a classifier on its
+    tools' own cases (None otherwise: derived phrases are no examples to learn from)."""
+    if not wants_classifier(catalog):
+        return None
+    count: dict[str, int] = {}
+    rows, tools = [], []
+    for k, item in enumerate(items):
+        if len(item.expected) == 1:
+            (tool,) = item.expected
+            if count.setdefault(tool, 0) < MAX_EXAMPLES:
+                count[tool] += 1
+                rows.append(k)
+                tools.append(tool)
+    return Examples.of(tools, q[rows]) if rows else None
 
 
 class Offers:

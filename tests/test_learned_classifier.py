@@ -106,3 +106,50 @@ def test_fit_classifier_separates_clusters_with_standardisation_folded_in():
     test /= np.linalg.norm(test, axis=1, keepdims=True)
     assert (clf.logits(test).argmax(axis=1) == np.arange(tools)).mean() >= 5 / 6
     assert (clf.logits(x).argmax(axis=1) == labels).mean() > 0.95
+
+
+EXAMPLES = [  # labelled requests a user tunes on, phrased unlike the cases
+    ("what's left in my wallet account right now", "check_balance"), ("am I in the red this month", "check_balance"),
+    ("my visa got nicked on the train", "lost_card"), ("the atm swallowed my card", "lost_card"),
+    ("four new digits for my card please", "change_pin"), ("forgot the code for my card, want a fresh one", "change_pin"),
+    ("how many rupees will 200 dollars buy me", "exchange_rate"), ("is the pound strong against the euro today", "exchange_rate"),
+    ("pay the landlord 900 from checking", "transfer_money"), ("split the dinner bill with Sam, send him 35", "transfer_money"),
+]  # fmt: skip
+TALK = ["thanks, that's all", "good morning", "what a lovely day", "tell me a joke", "how do banks make money in general?",
+        "I love this song", "nice, that works", "why is the sky blue"]  # fmt: skip
+
+
+def test_tune_keeps_its_requests_as_examples_that_the_classifier_learns_from(intents, tmp_path):
+    """Tool2Vec's idea on an intent catalog: the requests `tune` fitted on are kept in the
+    calibration (one tool each), and a pipeline that loads it fits its classifier on them as
+    well as on the tools' own cases: each example's own intent becomes likelier."""
+    from sidecar import tune
+    from sidecar.evaluate import Labeled
+
+    bank = tmp_path / "bank.json"
+    bank.write_text(json.dumps({"server": "bank", "tools": [{"name": n, "description": n.replace("_", " "),
+                                                              "inputSchema": {"type": "object"}, "cases": c} for n, c in INTENTS.items()]}))  # fmt: skip
+    items = [Labeled(t, e) for t, e in EXAMPLES] + [Labeled(t, None) for t in TALK]
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(bank)], ("store",): str(tmp_path / "s.db")})
+    fitted = tune.fit(items, intents.catalog, cfg, heldout_fraction=0.0, start="none")
+    ex = fitted.calibration.examples
+    assert ex is not None and ex.tools == [e for _, e in EXAMPLES]
+    vectors, at = ex.rows_for(intents.index_for("user").names)
+    assert len(vectors) == len(EXAMPLES) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-2)
+    cal = tmp_path / "cal.json"
+    tune.write_calibration(fitted, cal)
+    assert calibration.read(cal).examples == ex
+    overrides = {("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(bank)], ("calibration",): str(cal)}
+    tuned = pipeline.from_config(config_mod.load(env={}, overrides=overrides), store=Store(tmp_path / "s.db"), progress=False)
+    before, after = intents.index_for("user").classifier, tuned.index_for("user").classifier
+    assert after is not None and not np.allclose(before.coef, after.coef)
+    own = lambda clf: learned.classifier_view(clf.logits(vectors), (len(vectors), len(INTENTS)))[np.arange(len(vectors)), at]  # noqa: E731
+    assert np.all(own(after) > own(before))
+
+
+def test_a_catalog_without_own_cases_keeps_no_examples(tmp_path):
+    from sidecar import tune
+
+    pipe = _pipeline(tmp_path, CATALOGS / "notes.json")
+    assert tune._examples([], np.zeros((0, pipe.embedder.dim)), pipe.catalog) is None
+    assert calibration.builtin(models.SMALL_MODEL).examples is None  # the corpus's catalog derives its cases
