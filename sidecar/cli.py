@@ -284,7 +284,8 @@ def cmd_cascade(args: argparse.Namespace) -> int:
         if args.json:
             _print_json({"screen": cfg.cascade.screen, "main": cfg.model.name, "out_of_fold": True, "max_loss": args.max_loss, "cutoff": fit})
         else:
-            print(cascade.describe_outcome(fit, f"fitted out of fold: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
+            print(cascade.describe_outcome(fit, f"fitted out of fold, each text against the whole catalog and against a part of it, as `tune` "
+                                                f"picks thresholds: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
             print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
         return 0
     engine = Sidecar.open(cfg, catalog=cat, progress=not args.json, history=False)

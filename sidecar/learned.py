@@ -17,7 +17,8 @@ Three small fitted pieces; the first two are saved in a calibration file:
   cosine 99% of the fitted requests reach) a text's probability is scaled down to fire at no bar.
 * `Classifier`: for a catalog whose tools carry their own example `cases`, a softmax
   regression over the tools fitted on those cases' embeddings when the index is built (no
-  labelled data needed); its log-probability is the ranker's fourth view. Cases say what a
+  labelled data needed; with a tuned calibration, on its `Examples` too); its
+  log-probability is the ranker's fourth view. Cases say what a
   tool is asked for, and one shared softmax learns what tells neighbouring tools apart,
   which the best single case cosine cannot.
 """
