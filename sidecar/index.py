@@ -230,8 +230,10 @@ def wants_classifier(catalog: Catalog) -> bool:
 def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None) -> Classifier:
     """The softmax classifier over the index's tools, fitted on every tool's rows and on the
     `examples` asking for them (memoised)."""
-    extra, labels = examples.rows_for(index.names) if examples is not None else (np.zeros((0, index.dim), np.float32), np.zeros(0, int))
-    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in index.names), hashlib.sha256(extra.tobytes() + labels.tobytes()).hexdigest())
+    none = (np.zeros((0, index.dim), np.float32), np.zeros(0, int))
+    extra, labels = examples.rows_for(index.names) if examples is not None else none
+    asked = hashlib.sha256(extra.tobytes() + labels.tobytes()).hexdigest()
+    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in index.names), asked)
     if key not in _classifiers:
         while len(_classifiers) >= 4:
             _classifiers.pop(next(iter(_classifiers)))

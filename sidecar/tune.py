@@ -23,8 +23,8 @@ from .config import Config
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, judge_each, ranking_report, simple_gate, simple_gate_features
 from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
 from .index import embed_cached, wants_classifier
-from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Examples, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter, fit_ranker,
-                      match, rank_features)
+from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Examples, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter,
+                      fit_ranker, match, rank_features)
 from .lexical import LexicalIndex
 from .pipeline import Pipeline, Request, Views, from_config
 from .store import Store
@@ -374,13 +374,15 @@ def fit(
             x[pool][test] = offers.gate_inputs(subreq, q[test], views, subscr, known[pool])
         # Each text once more against a smaller catalog (a random part of its servers): users
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
-        parts, _, tools[1, test] = _against_parts(offers, test, sub, subreq, q[test], wide, subscr, list(known.values()), np.random.default_rng(seed + f))
+        parts, _, tools[1, test] = _against_parts(offers, test, sub, subreq, q[test], wide, subscr, list(known.values()),
+                                                  np.random.default_rng(seed + f))  # fmt: skip
         for pool, xp in zip(pools, parts):
             x_part[pool][test] = xp
         if (at := np.flatnonzero(absent[test])).size:  # positions in this fold's lists
             gone = test[at]
-            parts, absent[gone], tools[2, gone] = _against_parts(offers, gone, [sub[k] for k in at], [subreq[k] for k in at], q[gone], [wide[k] for k in at],
-                                                 [subscr[k] for k in at], list(known.values()), np.random.default_rng(seed + f), absent=True)  # fmt: skip
+            parts, absent[gone], tools[2, gone] = _against_parts(offers, gone, [sub[k] for k in at], [subreq[k] for k in at], q[gone],
+                                                                 [wide[k] for k in at], [subscr[k] for k in at], list(known.values()),
+                                                                 np.random.default_rng(seed + f), absent=True)  # fmt: skip
             for pool, xp in zip(pools, parts):
                 x_absent[pool][gone] = xp
         tools[0, test] = [offers.best_tool(k, v) for k, v in zip(test, views)]
