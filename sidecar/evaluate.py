@@ -183,11 +183,6 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict
     return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
 
 
-def run(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> list[Decision]:
-    """The pipeline's decisions for every item, in batches (as the server embeds)."""
-    return judged(pipe, items, batch, on_batch)[0]
-
-
 def judged(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> tuple[list[Decision], list]:
     """Decisions and each item's query vector (None where a negative pattern blocked it
     unembedded), so ranking the same items need not embed them again."""
@@ -312,6 +307,13 @@ def offers(items: Sequence[Labeled], catalog: Catalog) -> dict[Catalog | None, l
     return {None if names is None else Catalog([t for t in catalog if t.name in names]): at for names, at in groups.items()}
 
 
+def each_offer(host, items: Sequence[Labeled]):
+    """(`host` over the tools a group of items is judged against, the group's positions), per
+    group: `host` itself for the whole catalog. `host`: a Pipeline or a Sidecar."""
+    for offered, at in offers(items, host.catalog).items():
+        yield (host if offered is None else host.with_catalog(offered, persist=False)), at
+
+
 def judge_each(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Decision], list[list[str]]]:
     """The pipeline's decision on every item and its ranking (the ranker's, no recommender)
     of every positive, in item order, each item against the tools it is judged against."""
@@ -319,8 +321,7 @@ def judge_each(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Decisi
 
     decisions: list[Decision | None] = [None] * len(items)
     ranked: dict[int, list[str]] = {}
-    for offered, at in offers(items, pipe.catalog).items():
-        own = pipe if offered is None else pipe.with_catalog(offered, persist=False)
+    for own, at in each_offer(pipe, items):
         some = [items[j] for j in at]
         for j, item, d, vector in zip(at, some, *judged(own, some)):
             decisions[j] = d
@@ -388,8 +389,7 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> S
     first: list[str | None] = [None] * len(items)
     ranker: dict[int, list[str]] = {}
     ranked: dict[int, list[str]] = {}
-    for offered, at in offers(items, engine.catalog).items():
-        own = engine if offered is None else engine.with_catalog(offered, persist=False)
+    for own, at in each_offer(engine, items):
         pipe = own.pipeline
         some = [items[j] for j in at]
         ds, vectors = judged(pipe, some, on_batch=tick)

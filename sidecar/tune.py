@@ -345,11 +345,10 @@ def fit(
     # and exemplars fitted without it (without its whole server, where there are servers).
     # Features from a ranker that has seen the text look surer than a new catalog's will, and
     # thresholds chosen on them let through less than they promise.
-    names = pipe.index_for("user").names
     offers = Offers(pipe, fit_items)
     plain = offers.views(pipe.views(requests, q))  # the default ranker's (no adapter): the views every ranker is fitted on
     features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits)[0]) for k, v in enumerate(plain)])
-    position = {n: k for k, n in enumerate(names)}
+    position = {n: k for k, n in enumerate(offers.names)}
     targets = [[position[t] for t in i.expected] for i in fit_items]
     folds = _folds(fit_items, [offers.best_tool(k, v) for k, v in enumerate(plain)], seed)
     starts = _starts(pipe.embedder.name, start)
