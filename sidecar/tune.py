@@ -631,9 +631,11 @@ class Offers:
         return out
 
     def best_tool(self, k: int, v: Views) -> str:
-        if not v.scores.shape[1]:
-            return ""
-        return str(self.names[self.allowed(k)][int(np.argmax(v.scores[0]))])
+        return self.best_within(self.allowed(k), v)
+
+    def best_within(self, mask: np.ndarray, v: Views) -> str:
+        """The first tool of views `v` over the tools of `mask` ("" over none)."""
+        return str(self.names[mask][int(np.argmax(v.scores[0]))]) if v.scores.shape[1] else ""
 
     def gate_inputs(self, requests, q: np.ndarray, views: Sequence[Views], screens, known: Known) -> np.ndarray:
         """The gate head's fit rows for `views`, each against its own tools (batched by how many)."""
@@ -678,7 +680,7 @@ def _against_parts(offers: Offers, at: Sequence[int], items, requests, q, views,
                 judged[k] = False
                 continue
         part = offers.narrow(views[k], requests[k].text, mask)
-        best[k] = str(offers.names[mask][int(np.argmax(part.scores[0]))]) if mask.any() else ""
+        best[k] = offers.best_within(mask, part)
         for x, kn in zip(xs, knowns):
             x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
     return xs, judged, best
