@@ -243,7 +243,7 @@ def _writable(path: str | None) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from . import evaluate
+    from .lab import evaluate
     from .engine import Sidecar
 
     _writable(args.items)
@@ -265,7 +265,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_cascade(args: argparse.Namespace) -> int:
-    from . import cascade, evaluate
+    from .lab import cascade, evaluate
     from . import catalog as catalog_mod
     from .engine import Sidecar
 
@@ -301,8 +301,8 @@ def cmd_cascade(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from . import catalog as catalog_mod
     from . import store as store_mod
-    from . import tune
-    from .evaluate import read_labeled
+    from .lab import tune
+    from .lab.evaluate import read_labeled
 
     cfg = _config(args)
     objective = tune.Objective.parse(args.objective)
@@ -313,7 +313,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     _writable(args.out)
     _writable(args.plot)
     if args.plot:
-        from . import plot
+        from .lab import plot
 
         plot.require_matplotlib()
     cat = catalog_mod.load(cfg.catalogs)

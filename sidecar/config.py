@@ -197,7 +197,7 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A cheap first stage: the `screen` model (with its built-in calibration) settles the
-    texts it is sure need no tool, so only the rest reach the main model (sidecar/cascade.py)."""
+    texts it is sure need no tool, so only the rest reach the main model (sidecar/engine.py; its cutoff is fitted by `sidecar cascade`)."""
 
     screen: str = ""  # a known model (or NAME:QUANT) judging every text first; "": off
     # Screen probability under which a text on the fallback path is settled as "no tool"

@@ -6,7 +6,8 @@ whether the text needs a tool; when it fired, the recommender ranks the tools on
 gate already made, with the history of the metrics store; `Judgement.inject` picks the tools
 that are handed to the model (the best one and those within `inject_margin` of it). With a
 cascade (`[cascade] screen`), a small screen model judges first and settles the clear "no tool"
-texts, so only the rest reach the main model (sidecar/cascade.py).
+texts, so only the rest reach the main model (`screen_pipeline`, `settle`; `sidecar cascade`
+fits its cutoff: sidecar/lab/cascade.py). The engine imports nothing of the lab.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from . import cascade
+from . import models
 from .catalog import Catalog
-from .config import Config
+from .config import Config, GateConfig
 from .gate import Decision, Timing
 from .metrics import MetricsStore, StringCaps
-from .pipeline import Judged, Pipeline, Request, from_config
+from .pipeline import Detected, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .store import Store, open_store
@@ -32,6 +33,7 @@ class Judgement(msgspec.Struct):
 
     decision: Decision
     ranked: Recommendations | None = None
+    vector: np.ndarray | None = None  # the text's embedding by the main model (None: the screen settled it, or a pattern blocked it)
 
     def inject(self, margin: float) -> list[Recommendation]:
         """The tools to hand the model, best first: the top-ranked one and the runners-up
@@ -46,6 +48,9 @@ class Judgement(msgspec.Struct):
         """The tool injected first (None: nothing is injected)."""
         tools = self.inject(0.0)
         return tools[0].tool if tools else None
+
+
+SETTLED_PATH = "fallback:screen"  # a fallback-path text the screen settled (gate.path_kind: "fallback")
 
 
 class CascadeStats:
@@ -81,7 +86,7 @@ class Sidecar:
         (a caller that records calls before the model has loaded)."""
         store = store if store is not None else open_store(cfg.store)
         pipe = from_config(cfg, catalog=catalog, store=store, progress=progress)
-        first = cascade.screen_pipeline(cfg, pipe, progress)
+        first = screen_pipeline(cfg, pipe, progress)
         if history is True:
             history = open_history(cfg, store)
         return cls(cfg, pipe, store, history or None, first)
@@ -97,44 +102,46 @@ class Sidecar:
         first = self.screen.with_catalog(catalog, persist) if self.screen is not None else None
         return Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
 
-    def judge_batch(self, requests: Sequence[Request]) -> Judged:
+    def detect_batch(self, requests: Sequence[Request]) -> Detected:
         """The gate's decisions (and query vectors) for every request: the main pipeline's, or
         with a cascade, the screen's for the fallback-path texts it settles and the main
         pipeline's for the rest (a settled text has no main-model vector: it did not fire)."""
         if self.screen is None or not requests:
-            return self.pipeline.judge_batch(requests)
+            return self.pipeline.detect_batch(requests)
         if self.screen.catalog is not self.pipeline.catalog:  # reindexed in place (live MCP servers)
             self.screen.reindex(self.pipeline.catalog, self._persist)
-        asked = [i for i, r in enumerate(requests) if self.pipeline.screen(r).kind == "fallback"]
-        first = self.screen.judge_batch([requests[i] for i in asked]) if asked else Judged([], [])
+        asked = [i for i, r in enumerate(requests) if self.pipeline.route(r).kind == "fallback"]
+        first = self.screen.detect_batch([requests[i] for i in asked]) if asked else Detected([], [])
         decisions: list[Decision | None] = [None] * len(requests)
         for i, d in zip(asked, first.decisions):
-            decisions[i] = cascade.settle(d, self.cfg.cascade.reject_below)
+            decisions[i] = settle(d, self.cfg.cascade.reject_below)
         rest = [i for i, d in enumerate(decisions) if d is None]
-        main = self.pipeline.judge_batch([requests[i] for i in rest]) if rest else Judged([], [])
+        main = self.pipeline.detect_batch([requests[i] for i in rest]) if rest else Detected([], [])
         vectors: list[np.ndarray | None] = [None] * len(requests)
         for i, d, v in zip(rest, main.decisions, main.vectors):
             decisions[i], vectors[i] = d, v
         for i, d in zip(asked, first.decisions):  # a text passed on also cost the screen's time
-            if decisions[i].path != cascade.SETTLED_PATH:
+            if decisions[i].path != SETTLED_PATH:
                 _add_time(decisions[i].timing_ms, d.timing_ms)
         settled = len(requests) - len(rest)
         self.cascade_stats.settled += settled
         self.cascade_stats.passed += len(asked) - settled
-        return Judged(decisions, vectors)  # type: ignore[arg-type]
+        return Detected(decisions, vectors)  # type: ignore[arg-type]
 
-    def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None) -> list[Judgement]:
+    def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None,
+              rank_silent: bool = False) -> list[Judgement]:  # fmt: skip
         """Gate every request (one batched embedding), then rank the tools for those that fired,
-        each in its own context (who asks, what it may be offered)."""
-        judged = self.judge_batch(requests)
+        each in its own context (who asks, what it may be offered). `rank_silent`: rank the
+        silent ones too (what `eval` scores a ranking on); they still inject nothing."""
+        detected = self.detect_batch(requests)
         top = top or self.cfg.server.max_inject_tools
         out = []
-        for i, (r, d, vector) in enumerate(zip(requests, judged.decisions, judged.vectors)):
+        for i, (r, d, vector) in enumerate(zip(requests, detected.decisions, detected.vectors)):
             ranked = None
-            if d.fired:
+            if d.fired or rank_silent:
                 ctx = contexts[i] if contexts is not None else Context()
                 ranked = self.recommender.recommend(r.text, msgspec.structs.replace(ctx, source=r.source), top=top, query_vector=vector)
-            out.append(Judgement(d, ranked))
+            out.append(Judgement(d, ranked, vector))
         return out
 
     def rank(self, request: Request, top: int = 10, *, vector: np.ndarray | None = None, context: Context | None = None,
@@ -162,3 +169,38 @@ def open_history(cfg: Config, store: Store) -> MetricsStore:
     lim = cfg.server
     caps = StringCaps(agent=lim.max_agent_chars, query=lim.max_query_chars, error=lim.max_error_chars, name=lim.max_name_chars)
     return MetricsStore(store, cfg.recommend.metrics_retention_days, caps=caps, write_timeout_s=lim.store_busy_timeout_ms / 1000)
+
+
+def screen_pipeline(cfg: Config, main: Pipeline, progress: bool = True) -> Pipeline | None:
+    """The cascade's screen: the screen model's pipeline over `main`'s catalog and store, or
+    None when the cascade is off or would only repeat the main model. It runs on the screen
+    model's built-in calibration (the config's calibration file, thresholds and index
+    strategies are the main model's) and shares `main`'s patterns, so one pattern set and one
+    timeout count serve both. A text on a high-pattern path is never settled (its bar is lower,
+    and the pattern already says it asks for something); a negative-pattern block needs no
+    embedding in either model."""
+    name = cfg.cascade.screen
+    if not name or models.base_name(name) == models.base_name(main.embedder.name):
+        return None
+    gate = GateConfig(patterns=cfg.gate.patterns, regex_timeout_ms=cfg.gate.regex_timeout_ms)
+    own = msgspec.structs.replace(
+        cfg,
+        model=msgspec.structs.replace(cfg.model, name=name, task_prefixes="auto"),
+        gate=gate,
+        index=msgspec.structs.replace(cfg.index, user_strategy=None, llm_strategy=None),
+        calibration=None,
+    )
+    screen = from_config(own, catalog=main.catalog, store=main.store, progress=progress)
+    if screen.head is None:  # a probability cutoff needs the model's gate head
+        raise ValueError(f"cascade.screen={name!r} has no built-in calibration with a gate head")
+    screen.patterns = main.patterns
+    return screen
+
+
+def settle(d: Decision, reject_below: float) -> Decision | None:
+    """The screen's decision as the final one when it settles the text as "no tool": on the
+    fallback path, not fired, and its probability under `reject_below`. Its path says so
+    (SETTLED_PATH), its threshold is the cutoff; tool, score and candidates are the screen's."""
+    if d.kind != "fallback" or d.fired or d.score is None or not d.score < reject_below:
+        return None
+    return msgspec.structs.replace(d, path=SETTLED_PATH, threshold=reject_below, tier=None, fired=False)

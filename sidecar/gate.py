@@ -2,8 +2,8 @@
 everything else must clear a high semantic threshold. Pure: no model, no I/O.
 
 The gate is split in two so the expensive semantic step runs only when needed:
-`screen` looks at the text with the patterns, `judge` turns the semantic candidates
-into a decision.
+`route` looks at the text with the patterns (which path it takes), `decide` turns the
+semantic candidates into a decision.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Timing(msgspec.Struct):
     total: float = 0.0
 
 
-class Screen(msgspec.Struct, frozen=True):
+class Route(msgspec.Struct, frozen=True):
     """What the patterns said: blocked, high confidence, or nothing (fallback). A negative
     match the gate head weighs instead of obeying takes the fallback path as
     "fallback:negative:ID"."""
@@ -131,19 +131,19 @@ class Decision(msgspec.Struct, omit_defaults=False):
         return path_kind(self.path)
 
 
-def screen(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False) -> Screen:
+def route(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False) -> Route:
     """`weigh_negatives`: a negative match does not block; the text takes the fallback path and
     the gate head, which has the match as a feature, decides (a fitted head weighs "the Delete
     button" in "let me click the Delete button" better than a rule that blocks it)."""
     neg = patterns.negative.first(text, source)
     if neg:
         if weigh_negatives and not neg.timed_out:  # a search that ran out of time still fails closed
-            return Screen(f"fallback:negative:{neg.id}")
-        return Screen(f"negative:{neg.id}", neg)
+            return Route(f"fallback:negative:{neg.id}")
+        return Route(f"negative:{neg.id}", neg)
     high = patterns.high.first(text, source)
     if high:
-        return Screen(f"high:{high.id}", high)
-    return Screen("fallback")
+        return Route(f"high:{high.id}", high)
+    return Route("fallback")
 
 
 def fires(kinds: Sequence[PathKind], scores: np.ndarray, t: Thresholds, tools: Sequence[str | None] | None = None) -> np.ndarray:
@@ -165,20 +165,20 @@ def tier_of(score: float, t: Thresholds) -> Tier | None:
     return None
 
 
-def judge(text: str, source: str, scr: Screen, candidates: list[Candidate], t: Thresholds, timing: Timing,
+def decide(text: str, source: str, route: Route, candidates: list[Candidate], t: Thresholds, timing: Timing,
           confidence: float | None = None) -> Decision:  # fmt: skip
-    """Decide from the screen and the ranked candidates (best first). With `confidence` (the
+    """Decide from the route and the ranked candidates (best first). With `confidence` (the
     gate head's probability that the text needs a tool) the thresholds compare that instead
     of the best candidate's score."""
-    trigger = Trigger(scr.match.text, scr.match.start, scr.match.end) if scr.match else None
-    if scr.blocked:
-        return Decision(False, None, scr.path, None, None, None, None, candidates, timing, source, trigger)
+    trigger = Trigger(route.match.text, route.match.start, route.match.end) if route.match else None
+    if route.blocked:
+        return Decision(False, None, route.path, None, None, None, None, candidates, timing, source, trigger)
     if not candidates:
-        return Decision(False, None, scr.path, None, None, None, t.path_threshold(scr.kind, None), candidates, timing, source, trigger)
+        return Decision(False, None, route.path, None, None, None, t.path_threshold(route.kind, None), candidates, timing, source, trigger)
     best = candidates[0]
     score = best.score if confidence is None else round(float(confidence), 4)
-    threshold = t.path_threshold(scr.kind, best.tool)
-    tier = tier_of(score, t) if fires([scr.kind], np.array([score]), t, [best.tool])[0] else None
+    threshold = t.path_threshold(route.kind, best.tool)
+    tier = tier_of(score, t) if fires([route.kind], np.array([score]), t, [best.tool])[0] else None
     if trigger is None:
         trigger = Trigger(text, 0, len(text))
-    return Decision(tier is not None, tier, scr.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger)
+    return Decision(tier is not None, tier, route.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger)

@@ -33,7 +33,7 @@ from . import cases as cases_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
-from .learned import Classifier, Examples, fit_classifier
+from .learned import Classifier, ClassifierFit, Examples
 from .store import Store, StoreBusy, text_key
 
 
@@ -238,7 +238,7 @@ def classifier_for(index: ToolIndex, model: str, examples: Examples | None = Non
         while len(_classifiers) >= 4:
             _classifiers.pop(next(iter(_classifiers)))
         rows, row_tool = np.vstack([index.matrix, extra]), np.concatenate([index.row_tool, labels])
-        _classifiers[key] = fit_classifier(rows, row_tool, len(index.names))
+        _classifiers[key] = ClassifierFit().fit(rows, row_tool, len(index.names))
     return _classifiers[key]
 
 

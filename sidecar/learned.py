@@ -25,7 +25,7 @@ Three small fitted pieces; the first two are saved in a calibration file:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -137,67 +137,86 @@ class Examples(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return v, np.array([column[self.tools[r]] for r in keep], int)
 
 
-CLASSIFIER_L2 = 1e-3
-CLASSIFIER_ITERS = 300
-
-
-def fit_classifier(x: np.ndarray, labels: np.ndarray, tools: int, l2: float = CLASSIFIER_L2, iters: int = CLASSIFIER_ITERS,
-                   lr: float = 0.05) -> Classifier:  # fmt: skip
-    """Multinomial logistic regression, full batch with Adam, on standardised vectors (unit
-    vectors' dimensions differ in spread; standardising lets one L2 fit every model). Seconds
-    for thousands of cases; the standardisation is folded into the weights."""
-    x = np.asarray(x, np.float32)
-    mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
-    z = (x - mu) / sd
-    n, dim = z.shape
-    y = np.zeros((n, tools), np.float32)
-    y[np.arange(n), labels] = 1.0
-    w = np.zeros((dim, tools), np.float32)
-    b = np.zeros(tools, np.float32)
-    params = [w, b]
-    m = [np.zeros_like(w), np.zeros_like(b)]
-    v = [np.zeros_like(w), np.zeros_like(b)]
+def adam(params: Sequence[np.ndarray], gradients: Callable[[], Sequence[np.ndarray]], iters: int, lr: float) -> None:
+    """Full-batch Adam (beta 0.9 / 0.999), updating `params` in place: the one optimiser loop of
+    the parts fitted by gradient (`gradients()` reads the current params). Adam keeps the steps
+    stable where gradients differ by orders of magnitude across weights."""
+    m = [np.zeros_like(x) for x in params]
+    v = [np.zeros_like(x) for x in params]
     for step in range(1, iters + 1):
-        s = z @ w + b
-        s -= s.max(axis=1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=1, keepdims=True)
-        g = (p - y) / n
-        grads = [z.T @ g + l2 * w, g.sum(axis=0)]
-        for k, (param, grad) in enumerate(zip(params, grads)):
+        for k, (param, grad) in enumerate(zip(params, gradients())):
             m[k] = 0.9 * m[k] + 0.1 * grad
             v[k] = 0.999 * v[k] + 0.001 * grad * grad
             param -= lr * (m[k] / (1 - 0.9**step)) / (np.sqrt(v[k] / (1 - 0.999**step)) + 1e-8)
-    coef = (w / sd[:, None]).astype(np.float32)
-    return Classifier(coef, (b - (mu / sd) @ w).astype(np.float32))
 
 
-def fit_ranker(features: np.ndarray, targets: Sequence[Sequence[int]], l2: float = 1e-4, iters: int = 400, lr: float = 0.5,
-               offered: np.ndarray | None = None) -> Ranker:  # fmt: skip
-    """Listwise softmax: maximise the probability mass on each text's expected tools. The
-    softmax sharpness is part of the weights (cosines differ by hundredths, so they grow
-    large); Adam keeps the steps stable across that range. `offered` (n, tools): the tools
-    each text was judged against (BFCL's protocol; all where None), the softmax over those."""
-    n, tools, k = features.shape
-    shut = _shut(offered)
+class ClassifierFit(msgspec.Struct, frozen=True):
+    """Fits a `Classifier`: multinomial logistic regression on standardised vectors (unit
+    vectors' dimensions differ in spread; standardising lets one L2 fit every model). Seconds
+    for thousands of cases; the standardisation is folded into the weights."""
+
+    l2: float = 1e-3
+    iters: int = 300
+    lr: float = 0.05
+
+    def fit(self, x: np.ndarray, labels: np.ndarray, tools: int) -> Classifier:
+        x = np.asarray(x, np.float32)
+        mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
+        z = (x - mu) / sd
+        n, dim = z.shape
+        y = np.zeros((n, tools), np.float32)
+        y[np.arange(n), labels] = 1.0
+        w = np.zeros((dim, tools), np.float32)
+        b = np.zeros(tools, np.float32)
+
+        def gradients() -> list[np.ndarray]:
+            s = z @ w + b
+            s -= s.max(axis=1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=1, keepdims=True)
+            g = (p - y) / n
+            return [z.T @ g + self.l2 * w, g.sum(axis=0)]
+
+        adam([w, b], gradients, self.iters, self.lr)
+        coef = (w / sd[:, None]).astype(np.float32)
+        return Classifier(coef, (b - (mu / sd) @ w).astype(np.float32))
+
+
+class RankerFit(msgspec.Struct, frozen=True):
+    """Fits a `Ranker`'s view weights by a listwise softmax: the probability mass on each
+    text's expected tools. The softmax sharpness is part of the weights (cosines differ by
+    hundredths, so they grow large). `offered` (n, tools): the tools each text was judged
+    against (BFCL's protocol; all where None), the softmax over those."""
+
+    l2: float = 1e-4
+    iters: int = 400
+    lr: float = 0.5
+
+    def fit(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None) -> Ranker:
+        n, tools, k = features.shape
+        shut = _shut(offered)
+        y = _target_mass(targets, n, tools)
+        w = np.zeros(k)
+        start = Ranker().weights[:k]
+        w[: len(start)] = TEMPERATURE * np.asarray(start, np.float64)
+
+        def gradients() -> list[np.ndarray]:
+            z = features @ w + shut
+            z -= z.max(axis=1, keepdims=True)
+            p = np.exp(z)
+            p /= p.sum(axis=1, keepdims=True)
+            return [np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + self.l2 * w]
+
+        adam([w], gradients, self.iters, self.lr)
+        return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
+
+
+def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:
+    """(n, tools): each text's probability mass spread evenly over its expected tools."""
     y = np.zeros((n, tools), np.float32)
     for r, expected in enumerate(targets):
         y[r, list(expected)] = 1.0 / len(expected)
-    w = np.zeros(k)
-    start = Ranker().weights[:k]
-    w[: len(start)] = TEMPERATURE * np.asarray(start, np.float64)
-    m = np.zeros(k)
-    v = np.zeros(k)
-    for step in range(1, iters + 1):
-        z = features @ w + shut
-        z -= z.max(axis=1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(axis=1, keepdims=True)
-        grad = np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + l2 * w
-        m = 0.9 * m + 0.1 * grad
-        v = 0.999 * v + 0.001 * grad * grad
-        w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
-    return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
+    return y
 
 
 def _shut(offered: np.ndarray | None) -> np.ndarray | float:
@@ -215,45 +234,47 @@ class Known(NamedTuple):
     none_high: np.ndarray | None = None
 
 
-def fit_query_adapter(queries: np.ndarray, primary: np.ndarray, rows: np.ndarray, starts: np.ndarray, fixed: np.ndarray,
-                      targets: Sequence[Sequence[int]], weights: Sequence[float], l2: float = 0.1, iters: int = 50,
-                      lr: float = 3e-3, offered: np.ndarray | None = None) -> QueryAdapter:  # fmt: skip
-    """The `QueryAdapter` that maximises the ranker's softmax mass on each request's expected
-    tools, the ranker's weights held fixed: `queries` (n, dim) raw, `primary` (tools, dim) and
-    `rows` (rows, dim) the index's vectors, `starts` each tool's first row, `fixed` (n, tools)
-    the blend's part the adapter does not move (BM25, classifier); `offered` as in
-    `fit_ranker`. Full W from zero, L2, Adam.
-    Chosen on 3 folds split by server inside fixtures/corpus/fit.jsonl (MiniLM): a full W beat
-    low rank (16, 32), a diagonal and a tool-side map, and refitting the ranker afterwards lost."""
-    n, dim = queries.shape
-    q = queries.astype(np.float32)
-    row_tool = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(rows))))
-    y = np.zeros((n, len(starts)), np.float32)
-    for r, expected in enumerate(targets):
-        y[r, list(expected)] = 1.0 / len(expected)
-    wc, wk = TEMPERATURE * float(weights[0]), TEMPERATURE * float(weights[2]) if len(weights) > 2 else 0.0
-    base = TEMPERATURE * fixed + _shut(offered)
-    w = np.zeros((dim, dim), np.float32)
-    m, v = np.zeros_like(w), np.zeros_like(w)
-    for step in range(1, iters + 1):
-        h = q + q @ w.T
-        norm = np.linalg.norm(h, axis=1, keepdims=True)
-        qa = h / norm
-        sims = qa @ rows.T
-        cases = np.maximum.reduceat(sims, starts, axis=1)
-        z = wc * (qa @ primary.T) + wk * cases + base
-        z -= z.max(axis=1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(axis=1, keepdims=True)
-        e = (p - y) / n
-        best = np.where(sims == cases[:, row_tool], e[:, row_tool], 0.0)  # the max's gradient goes to its row
-        g_out = wc * (e @ primary) + wk * (best @ rows)
-        dh = (g_out - qa * (g_out * qa).sum(axis=1, keepdims=True)) / norm
-        g = dh.T @ q + l2 * w
-        m = 0.9 * m + 0.1 * g
-        v = 0.999 * v + 0.001 * g * g
-        w -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
-    return QueryAdapter.of(w)
+class AdapterFit(msgspec.Struct, frozen=True):
+    """Fits the `QueryAdapter` that maximises the ranker's softmax mass on each request's
+    expected tools, the ranker's weights held fixed. Full W from zero, L2. Chosen on 3 folds
+    split by server inside fixtures/corpus/fit.jsonl (MiniLM): a full W beat low rank (16,
+    32), a diagonal and a tool-side map, and refitting the ranker afterwards lost."""
+
+    l2: float = 0.1
+    iters: int = 50
+    lr: float = 3e-3
+
+    def fit(self, queries: np.ndarray, primary: np.ndarray, rows: np.ndarray, starts: np.ndarray, fixed: np.ndarray,
+            targets: Sequence[Sequence[int]], weights: Sequence[float], offered: np.ndarray | None = None) -> QueryAdapter:  # fmt: skip
+        """`queries` (n, dim) raw, `primary` (tools, dim) and `rows` (rows, dim) the index's
+        vectors, `starts` each tool's first row, `fixed` (n, tools) the blend's part the adapter
+        does not move (BM25, classifier); `offered` as in `RankerFit`."""
+        n, dim = queries.shape
+        q = queries.astype(np.float32)
+        row_tool = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(rows))))
+        y = _target_mass(targets, n, len(starts))
+        wc, wk = TEMPERATURE * float(weights[0]), TEMPERATURE * float(weights[2]) if len(weights) > 2 else 0.0
+        base = TEMPERATURE * fixed + _shut(offered)
+        w = np.zeros((dim, dim), np.float32)
+
+        def gradients() -> list[np.ndarray]:
+            h = q + q @ w.T
+            norm = np.linalg.norm(h, axis=1, keepdims=True)
+            qa = h / norm
+            sims = qa @ rows.T
+            cases = np.maximum.reduceat(sims, starts, axis=1)
+            z = wc * (qa @ primary.T) + wk * cases + base
+            z -= z.max(axis=1, keepdims=True)
+            p = np.exp(z)
+            p /= p.sum(axis=1, keepdims=True)
+            e = (p - y) / n
+            best = np.where(sims == cases[:, row_tool], e[:, row_tool], 0.0)  # the max's gradient goes to its row
+            g_out = wc * (e @ primary) + wk * (best @ rows)
+            dh = (g_out - qa * (g_out * qa).sum(axis=1, keepdims=True)) / norm
+            return [dh.T @ q + self.l2 * w]
+
+        adam([w], gradients, self.iters, self.lr)
+        return QueryAdapter.of(w)
 
 
 class Exemplars(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -413,11 +434,9 @@ def gate_features(
     return np.hstack([np.stack([by_name[k] for k in names], axis=1), vectors]).astype(np.float64)
 
 
-def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float = 1.0, l2_embedding: float = 1000.0,
-                  iters: int = 1800, lr: float = 0.5, features: Sequence[str] = GATE_SCALARS,
-                  prior: GateHead | None = None) -> GateHead:  # fmt: skip
-    """L2-regularised logistic regression by gradient descent on standardised features, at a
-    step the data's curvature allows (`_smoothness`; 1,800 steps at it end where 600 at the old
+class GateHeadFit(msgspec.Struct, frozen=True):
+    """Fits a `GateHead`: L2-regularised logistic regression by gradient descent on
+    standardised features, at a step the data's curvature allows (`_smoothness`; 1,800 steps at it end where 600 at the old
     fixed step did on the corpus: held-out TP 84.9% vs 85.1%, FP 3.7% vs 3.8%). The embedding's
     many weights get a much stronger penalty than the few catalog-independent scalars: what a
     labelled corpus's topics say about "needs a tool" does not carry to another catalog's
@@ -427,14 +446,23 @@ def fit_gate_head(x: np.ndarray, y: np.ndarray, exemplars: Exemplars, l2: float 
     whose requests are about everyday things the corpus's developer tools are not: +0.01 to
     +0.03). Stronger still helped those outside sets more but cost the held-out servers
     (3,000: 0.977; 10,000: 0.974)."""
-    mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
-    w0, b0 = None, 0.0
-    if prior is not None:  # the prior's logit, rewritten in this fit's standardised coordinates
-        c0, m0, s0 = (np.asarray(a, float) for a in (prior.coef, prior.mean, prior.scale))
-        w0, b0 = c0 * sd / s0, prior.bias + float(c0 @ ((mu - m0) / s0))
-    penalty = np.where(np.arange(x.shape[1]) < len(features), l2, l2_embedding)
-    w, b = fit_logistic((x - mu) / sd, y, penalty, iters, lr, w0, b0)
-    return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars, list(features))
+
+    l2: float = 1.0  # on the catalog-independent scalars
+    l2_embedding: float = 1000.0  # on the embedding's dimensions
+    iters: int = 1800
+    lr: float = 0.5
+    features: tuple[str, ...] = GATE_SCALARS
+
+    def fit(self, x: np.ndarray, y: np.ndarray, exemplars: Exemplars, prior: GateHead | None = None) -> GateHead:
+        """`prior`: a head to pull toward (L2 toward its weights instead of toward 0)."""
+        mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-6
+        w0, b0 = None, 0.0
+        if prior is not None:  # the prior's logit, rewritten in this fit's standardised coordinates
+            c0, m0, s0 = (np.asarray(a, float) for a in (prior.coef, prior.mean, prior.scale))
+            w0, b0 = c0 * sd / s0, prior.bias + float(c0 @ ((mu - m0) / s0))
+        penalty = np.where(np.arange(x.shape[1]) < len(self.features), self.l2, self.l2_embedding)
+        w, b = fit_logistic((x - mu) / sd, y, penalty, self.iters, self.lr, w0, b0)
+        return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars, list(self.features))
 
 
 def fit_logistic(z: np.ndarray, y: np.ndarray, l2: np.ndarray, iters: int = 1800, lr: float = 0.5,

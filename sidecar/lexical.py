@@ -228,6 +228,3 @@ class LexicalIndex:
         top = np.argpartition(-s, k - 1)[:k] if k < len(s) else np.arange(len(s))
         top = top[np.argsort(-s[top], kind="stable")]
         return [(self.names[i], float(s[i])) for i in top]
-
-    def rank_many(self, queries: Sequence[str], k: int = 10) -> list[list[tuple[str, float]]]:
-        return [self.rank(q, k) for q in queries]

@@ -198,10 +198,6 @@ def day_of(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d")
 
 
-def _day_start(day: str) -> float:
-    return datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=timezone.utc).timestamp()
-
-
 TABLES = frozenset({"tool_metrics", "tool_calls", "tool_metrics_daily", "feedback", "metrics_state"})
 
 

@@ -1,7 +1,7 @@
 """The one flow: text -> patterns -> embedding -> ranker (three or four views of every tool, blended)
 -> gate head (the probability that the text needs a tool) -> gate decision.
 
-The CLI, the server and replay all call `Pipeline.detect_batch`; batching lets the
+The CLI, the server and replay all reach it through `Sidecar.judge`; batching lets the
 server embed the spans of many streams in one llama.cpp call, and `QueryCache` keeps texts
 seen before from being embedded again.
 """
@@ -26,7 +26,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
 from .embed import Embedded, Embedder
-from .gate import Candidate, Decision, Screen, Thresholds, Timing, judge, screen
+from .gate import Candidate, Decision, Route, Thresholds, Timing, decide, route
 from .index import ToolIndex
 from .learned import GATE_SCALARS, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
@@ -41,8 +41,8 @@ class Request(msgspec.Struct, frozen=True):
     source: str = "user"
 
 
-class Judged(msgspec.Struct):
-    """`judge_batch`'s answer: the decisions, and each request's query vector (None when a
+class Detected(msgspec.Struct):
+    """`detect_batch`'s answer: the decisions, and each request's query vector (None when a
     negative pattern blocked it unembedded), so a recommender need not embed it again."""
 
     decisions: list[Decision]
@@ -186,24 +186,21 @@ class Pipeline:
                 for t in top[np.argsort(-scores[top], kind="stable")]]  # fmt: skip
 
     def detect(self, text: str, source: str = "user") -> Decision:
-        return self.detect_batch([Request(text, source)])[0]
+        return self.detect_batch([Request(text, source)]).decisions[0]
 
-    def detect_batch(self, requests: Sequence[Request]) -> list[Decision]:
-        return self.judge_batch(requests).decisions
-
-    def judge_batch(self, requests: Sequence[Request]) -> Judged:
+    def detect_batch(self, requests: Sequence[Request]) -> Detected:
         if not requests:
-            return Judged([], [])
+            return Detected([], [])
         t0 = time.perf_counter()
-        screens = [self.screen(r) for r in requests]
+        routes = [self.route(r) for r in requests]
         t_regex = time.perf_counter()
-        todo = [i for i, s in enumerate(screens) if not s.blocked]
+        todo = [i for i, s in enumerate(routes) if not s.blocked]
         embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
         t_embed = time.perf_counter()
         live = [requests[i] for i in todo]
         views = self.views(live, embedded.vectors)
         candidates = {i: self._top(v.scores[0], v.index, q, self.top_k) for i, v, q in zip(todo, views, embedded.vectors)}
-        confidence = dict(zip(todo, self.confidence(live, embedded.vectors, views, [screens[i] for i in todo])))
+        confidence = dict(zip(todo, self.confidence(live, embedded.vectors, views, [routes[i] for i in todo])))
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
@@ -213,27 +210,27 @@ class Pipeline:
         )
         out = []
         truncated = dict(zip(todo, embedded.truncated))
-        for i, (r, s) in enumerate(zip(requests, screens)):
+        for i, (r, s) in enumerate(zip(requests, routes)):
             timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
             timing.total = timing.regex + timing.embed + timing.cosine
-            d = judge(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing, confidence.get(i))
+            d = decide(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
         rows = dict(zip(todo, embedded.vectors))
-        return Judged(out, [rows.get(i) for i in range(n)])
+        return Detected(out, [rows.get(i) for i in range(n)])
 
-    def screen(self, request: Request) -> Screen:
+    def route(self, request: Request) -> Route:
         """What the patterns say of a text. A negative match blocks, unless the gate head was
         fitted with it as a feature: then the head weighs it."""
         if request.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {request.source!r}")
-        return screen(request.text, request.source, self.patterns, self._weigh_negatives)
+        return route(request.text, request.source, self.patterns, self._weigh_negatives)
 
-    def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens) -> list[float | None]:
+    def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], routes) -> list[float | None]:
         """The gate head's probability that each text needs a tool (None without a head)."""
         if self.head is None or not requests:
             return [None] * len(requests)
-        return self.head.probability(self.gate_inputs(requests, vectors, views, screens, self._exemplars)).tolist()
+        return self.head.probability(self.gate_inputs(requests, vectors, views, routes, self._exemplars)).tolist()
 
     @property
     def ranker(self) -> Ranker:
@@ -254,14 +251,14 @@ class Pipeline:
         self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
         self._weigh_negatives = head is not None and "negative" in head.features
 
-    def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], screens,
+    def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], routes,
                     exemplars: Known | None, exclude_self: bool = False,
                     names: Sequence[str] | None = None) -> np.ndarray:  # fmt: skip
         """The gate head's features (learned.GATE_SCALARS, then the embedding). `exclude_self`:
         a text that is one of the exemplars is not its own nearest neighbour (fitting)."""
         known = exemplars if exemplars is not None else Known(*(np.zeros((0, vectors.shape[1]), np.float32),) * 2)
         llm = np.array([r.source == "llm" for r in requests], float)
-        high = np.array([s.kind == "high" for s in screens], float)
+        high = np.array([s.kind == "high" for s in routes], float)
         # A reply's path says its tense ("I'll save it" vs "I've saved it"); a user turn's (an
         # imperative or a question) does not, and splitting its neighbours cost Banking77 (tuned)
         # 0.004 of gate AUROC with MiniLM. So only LLM texts look on their own path.
@@ -276,7 +273,7 @@ class Pipeline:
             vectors,
             neighbourhood(vectors, known, exclude_self, path),
             np.vstack([classifier_view(v.logits, v.cosine.shape) for v in views]),
-            np.array([s.negative for s in screens], float),
+            np.array([s.negative for s in routes], float),
             names or (self.head.features if self.head is not None else GATE_SCALARS),
         )
 
@@ -324,17 +321,21 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
 
 
 def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None,
-                calibration: bool = True) -> Pipeline:  # fmt: skip
-    """Everything the config names, loaded and validated, as a ready pipeline. With
-    `calibration=False` (what `tune` fits from) no calibration applies: cosine thresholds, the
-    default ranker, no gate head, plain derived cases."""
-    cal_file = calib.read(cfg.calibration) if cfg.calibration and calibration else None
+                calibration: bool | calib.Calibration = True, embedder: Embedder | None = None) -> Pipeline:  # fmt: skip
+    """Everything the config names, loaded and validated, as a ready pipeline. `calibration`:
+    the config's file, else the model's built-in (True); none at all (False: what `tune` fits
+    from: cosine thresholds, the default ranker, no gate head, plain derived cases); or the one
+    given (what `tune` judges its held-out part with). `embedder`: a model already loaded."""
+    if isinstance(calibration, calib.Calibration):
+        cal_file = calibration
+    else:
+        cal_file = calib.read(cfg.calibration) if cfg.calibration and calibration else None
     pats = patterns_mod.load_dir(cfg.gate.patterns, cfg.gate.regex_timeout_ms / 1000)
     cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
     if store is None:
         store = open_store(cfg.store)
-    embedder = open_embedder(cfg, store, progress, cal_file)
-    if calibration:
+    embedder = embedder or open_embedder(cfg, store, progress, cal_file)
+    if calibration is not False:
         thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, cal_file)
         cal, _ = calib.in_force(embedder.name, cal_file)
     else:

@@ -1,10 +1,13 @@
 """Ranking metrics, in one place: `eval` over labelled sets, `learn` over recorded feedback and
-the benches all score a ranking (tool names, best first) against the tools that were right."""
+the benches all score a ranking (tool names, best first) against the tools that were right;
+`replay` and `eval` summarise latencies with the same `percentiles`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def first_hit(ranking: Sequence[str], expected: frozenset[str] | set[str]) -> int | None:
@@ -28,3 +31,11 @@ def mrr(hits: Sequence[int | None]) -> float:
 def hit_rate(hits: Sequence[int | None], k: int) -> float:
     """Share of rows whose first hit is within the top k; NaN with no rows."""
     return sum(1 for h in hits if h is not None and h <= k) / len(hits) if hits else math.nan
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
+    """{"p50": .., "p99": ..} of `values`; NaN with none."""
+    if not len(values):
+        return {f"p{q:g}": math.nan for q in qs}
+    arr = np.asarray(values, float)
+    return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}

@@ -9,7 +9,8 @@ import asyncio
 import msgspec
 import pytest
 
-from sidecar import cascade, models
+from sidecar import engine as engine_mod, models
+from sidecar.lab import cascade
 from sidecar import config as config_mod
 from sidecar import protocol as p
 from sidecar.catalog import load as load_catalog
@@ -63,7 +64,7 @@ def test_small_talk_is_settled_without_the_main_model(engine):
     [j] = engine.judge([Request(SMALL_TALK, "llm")])
     d = j.decision
     assert main_texts(engine) == before  # nomic never saw it
-    assert d.path == cascade.SETTLED_PATH and d.kind == "fallback" and not d.fired and d.tier is None and j.ranked is None
+    assert d.path == engine_mod.SETTLED_PATH and d.kind == "fallback" and not d.fired and d.tier is None and j.ranked is None
     assert d.score is not None and d.score < 0.1 and d.threshold == 0.1
     assert (engine.cascade_stats.settled, engine.cascade_stats.passed) == (stats[0] + 1, stats[1])
 
@@ -81,7 +82,7 @@ def test_a_clear_tool_request_reaches_the_main_model(engine):
 def test_a_mixed_batch_sends_only_the_unsettled_texts_to_the_main_model(engine):
     before = main_texts(engine)
     judged = engine.judge([Request(SMALL_TALK, "llm"), Request(TOOL_REQUEST), Request("ok, sounds good to me.", "llm")])
-    assert [j.decision.path for j in judged] == [cascade.SETTLED_PATH, "fallback", cascade.SETTLED_PATH]
+    assert [j.decision.path for j in judged] == [engine_mod.SETTLED_PATH, "fallback", engine_mod.SETTLED_PATH]
     assert main_texts(engine) == before + 1
 
 
@@ -89,10 +90,10 @@ def test_a_high_pattern_text_is_never_settled_and_a_negative_match_is_screened_l
     everything = Sidecar(with_cutoff(engine.cfg, 1.0), engine.pipeline, None, None, engine.screen)  # settles every fallback text
     main0, screen0 = main_texts(engine), screened(engine)
     high, neg, small = everything.judge([Request(HIGH), Request(NEGATIVE), Request(SMALL_TALK, "llm")])
-    assert high.decision.kind == "high" and high.decision.path != cascade.SETTLED_PATH
+    assert high.decision.kind == "high" and high.decision.path != engine_mod.SETTLED_PATH
     # the built-in heads weigh a negative match rather than obey it: the text takes the fallback path
-    assert engine.pipeline.screen(Request(NEGATIVE)).path.startswith("fallback:negative:")
-    assert neg.decision.path == small.decision.path == cascade.SETTLED_PATH
+    assert engine.pipeline.route(Request(NEGATIVE)).path.startswith("fallback:negative:")
+    assert neg.decision.path == small.decision.path == engine_mod.SETTLED_PATH
     assert main_texts(engine) == main0 + 1  # the high one only
     assert screened(engine) == screen0 + 2  # the small talk and the negative match: high texts skip the screen
 
@@ -109,7 +110,7 @@ def test_a_session_catalog_keeps_the_screen(engine):
     assert derived.cascade_stats is engine.cascade_stats  # /metrics counts every session's texts
     before, settled = main_texts(derived), engine.cascade_stats.settled
     [j] = derived.judge([Request(SMALL_TALK, "llm")])
-    assert j.decision.path == cascade.SETTLED_PATH and main_texts(derived) == before
+    assert j.decision.path == engine_mod.SETTLED_PATH and main_texts(derived) == before
     assert engine.cascade_stats.settled == settled + 1
     assert all(c.tool in set(other.names()) for c in j.decision.candidates)  # the screen ranked the session's tools
 
@@ -173,7 +174,7 @@ def test_config_rejects_a_bad_cascade():
 
 def test_the_cascade_is_skipped_when_the_screen_is_the_main_model(engine):
     cfg = msgspec.structs.replace(engine.cfg, cascade=msgspec.structs.replace(engine.cfg.cascade, screen=models.DEFAULT_MODEL + ":q8_0"))
-    assert cascade.screen_pipeline(cfg, engine.pipeline, progress=False) is None
+    assert engine_mod.screen_pipeline(cfg, engine.pipeline, progress=False) is None
 
 
 def test_the_screen_follows_a_catalog_reindexed_in_place(engine):
@@ -205,3 +206,41 @@ def test_the_cascade_command_fits_and_reports(engine, tmp_path, capsys):
     assert out["fitted"] and cut["texts"] == 5 and cut["lost_positives"] == 0
     assert cut["settled_negatives_share"] > 0  # some small talk never reaches nomic
     assert out["gate_cascade"]["tp_rate"] == out["gate_main"]["tp_rate"]
+
+
+def test_eval_and_serve_agree_with_a_cascade(engine):
+    """`eval` judges through `Sidecar.judge` as `serve` does: with the cascade on, every text
+    gets the same path, verdict and first injected tool from `evaluate.score` as from a real
+    server's user turns (settled small talk included)."""
+    from sidecar.lab import evaluate
+
+    texts = [SMALL_TALK, TOOL_REQUEST, "ok, sounds good to me.", HIGH, "add a note that the demo moved to friday"]
+    items = [evaluate.Labeled(t, "semantic_search" if t in (TOOL_REQUEST, HIGH) else None) for t in texts]
+    scored = evaluate.score(engine, items)
+    assert engine_mod.SETTLED_PATH in [d.path for d in scored.decisions]  # the screen settled something
+    assert any(d.fired for d in scored.decisions)
+    served = Sidecar(engine.cfg, engine.pipeline, None, None, engine.screen, CascadeStats())
+
+    async def run() -> list[tuple[str, bool, str | None]]:
+        server = SidecarServer(engine.cfg, engine=served)
+        await server.start()
+        out = []
+        try:
+            async with await SidecarClient.connect(server.url, session="agree", decisions=True) as sc:
+                for i, text in enumerate(texts):
+                    await sc.user(f"u{i}", text)
+                    await sc.end(f"u{i}")
+                    path, fired, first = None, False, None
+                    while not isinstance(m := await sc.recv(60), p.Ended):
+                        if isinstance(m, p.DecisionReport):
+                            path, fired = m.path, m.fired
+                        elif isinstance(m, p.Inject):
+                            first = m.tools[0].definition["name"]
+                    out.append((path, fired, first))
+        finally:
+            await server.shutdown()
+        return out
+
+    served_out = asyncio.run(asyncio.wait_for(run(), 120))
+    evaluated = [(d.path, d.fired, f if d.fired else None) for d, f in zip(scored.decisions, scored.first)]
+    assert served_out == evaluated

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 from sidecar import config as config_mod
-from sidecar import evaluate, models, protocol as p, replay
+from sidecar import models, protocol as p, replay
+from sidecar.lab import evaluate
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar
-from sidecar.evaluate import Labeled
+from sidecar.lab.evaluate import Labeled
 from sidecar.pipeline import Request
 from sidecar.server import SidecarServer
 from sidecar.store import Store

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from sidecar import catalog, evaluate
+from sidecar import catalog
+from sidecar.lab import evaluate
 
 from .conftest import ROOT
 

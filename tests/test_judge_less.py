@@ -47,14 +47,14 @@ def test_cached_decisions_are_the_uncached_ones_and_a_hit_embeds_nothing(small):
     shipped = small.queries
     try:
         small.queries = QueryCache(0)
-        uncached = small.detect_batch(requests)
+        uncached = small.detect_batch(requests).decisions
         assert small.queries.hits == 0
         small.queries = QueryCache(64)
-        first = small.detect_batch(requests)
+        first = small.detect_batch(requests).decisions
         embedded = small.queries.misses
         # distinct texts embedded once, whatever their source or repeats (negatives are never embedded)
         assert embedded == len({r.text for r, d in zip(requests, first) if d.kind != "negative"})
-        again = small.detect_batch(requests)
+        again = small.detect_batch(requests).decisions
         assert small.queries.misses == embedded  # nothing embedded the second time
         assert small.queries.hits >= len([d for d in again if d.kind != "negative"])
     finally:

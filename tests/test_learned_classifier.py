@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sidecar import calibration, learned, models, pipeline
-from sidecar.gate import screen
+from sidecar.gate import route
 from sidecar import config as config_mod
 from sidecar.pipeline import Request
 from sidecar.store import Store
@@ -63,8 +63,8 @@ def test_a_catalog_with_own_cases_gets_a_classifier_that_ranks_held_back_paraphr
         lp = learned.classifier_view(v.logits, v.cosine.shape)
         assert lp.max() <= 0 and np.exp(lp).sum() == pytest.approx(1.0, abs=1e-3)  # log-probabilities over the tools
     # what the gate head sees: the classifier's max probability, one scalar among the others
-    screens = [screen(r.text, r.source, intents.patterns) for r in requests]
-    x = intents.gate_inputs(requests, vectors, views, screens, None, names=learned.GATE_SCALARS)
+    routes = [route(r.text, r.source, intents.patterns) for r in requests]
+    x = intents.gate_inputs(requests, vectors, views, routes, None, names=learned.GATE_SCALARS)
     clf = x[:, learned.GATE_SCALARS.index("classifier_top1")]
     assert np.all(clf > 1 / len(INTENTS))
 
@@ -101,7 +101,7 @@ def test_fit_classifier_separates_clusters_with_standardisation_folded_in():
     labels = np.repeat(np.arange(tools), per)
     x = centres[labels] + 0.6 * rng.normal(size=(tools * per, dim))
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    clf = learned.fit_classifier(x, labels, tools, iters=200)
+    clf = learned.ClassifierFit(iters=200).fit(x, labels, tools)
     test = centres + 0.6 * rng.normal(size=(tools, dim))
     test /= np.linalg.norm(test, axis=1, keepdims=True)
     assert (clf.logits(test).argmax(axis=1) == np.arange(tools)).mean() >= 5 / 6
@@ -123,8 +123,8 @@ def test_tune_keeps_its_requests_as_examples_that_the_classifier_learns_from(int
     """Tool2Vec's idea on an intent catalog: the requests `tune` fitted on are kept in the
     calibration (one tool each), and a pipeline that loads it fits its classifier on them as
     well as on the tools' own cases: each example's own intent becomes likelier."""
-    from sidecar import tune
-    from sidecar.evaluate import Labeled
+    from sidecar.lab import tune
+    from sidecar.lab.evaluate import Labeled
 
     bank = tmp_path / "bank.json"
     bank.write_text(json.dumps({"server": "bank", "tools": [{"name": n, "description": n.replace("_", " "),
@@ -148,7 +148,7 @@ def test_tune_keeps_its_requests_as_examples_that_the_classifier_learns_from(int
 
 
 def test_a_catalog_without_own_cases_keeps_no_examples(tmp_path):
-    from sidecar import tune
+    from sidecar.lab import tune
 
     pipe = _pipeline(tmp_path, CATALOGS / "notes.json")
     assert tune._examples([], np.zeros((0, pipe.embedder.dim)), pipe.catalog) is None

@@ -90,7 +90,7 @@ def test_catastrophic_pattern_is_cut_off_by_the_time_budget():
     ],
 )
 def test_screen_on_the_study_examples(text, source, path):
-    assert gate.screen(text, source, patterns.load_dir()).path.startswith(path)
+    assert gate.route(text, source, patterns.load_dir()).path.startswith(path)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_llm_narration_in_the_present(text, fires):
     ],
 )
 def test_a_separable_verb_takes_its_particle_after_a_short_object(text, path):
-    assert gate.screen(text, "llm", patterns.load_dir()).path == path
+    assert gate.route(text, "llm", patterns.load_dir()).path == path
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_a_separable_verb_takes_its_particle_after_a_short_object(text, path):
     ],
 )
 def test_looking_at_something_announces_an_action(text, path):
-    assert gate.screen(text, "llm", patterns.load_dir()).path == path
+    assert gate.route(text, "llm", patterns.load_dir()).path == path
 
 
 @pytest.mark.parametrize(
@@ -185,7 +185,7 @@ def test_a_timeout_on_a_negative_pattern_blocks_and_is_counted_and_logged_once(c
     text = "please do it " + "a" * 40 + "b"
     with caplog.at_level("WARNING", logger="sidecar.patterns"):
         for _ in range(3):
-            s = gate.screen(text, "user", both)
+            s = gate.route(text, "user", both)
             assert s.path == "negative:evil" and s.blocked and s.match.timed_out  # failed closed
         assert hi.first(text, "user").id == "please"  # a high one that timed out is no match
     assert (neg.timeouts, neg.timeouts_by_id["evil"]) == (3, 3) and hi.timeouts == 1
@@ -273,7 +273,7 @@ def test_shipped_patterns_screen_100k_adversarial_characters_within_the_default_
                 alone.first(text, source)
                 assert (alone.timeouts, alone.retries) == (0, 0), (p.id, source)
     t0 = time.process_time()  # the clock `regex` counts budgets on (other processes do not count)
-    gate.screen(text, "user", P)
+    gate.route(text, "user", P)
     elapsed = time.process_time() - t0
     assert (P.negative.timeouts, P.high.timeouts) == (0, 0)
     assert elapsed < P.negative.budget_s(len(text))  # the whole screen, all patterns, under one search's budget

@@ -89,7 +89,7 @@ def test_a_request_no_tool_of_the_catalog_answers_stays_silent(tmp_path_factory)
 
 def test_batch_matches_single_calls(pipe):
     texts = ["let me search my notes for the kubernetes setup", "please delete the note about groceries", "nice weather"]
-    batch = pipe.detect_batch([Request(t) for t in texts])
+    batch = pipe.detect_batch([Request(t) for t in texts]).decisions
     for t, b in zip(texts, batch):
         s = pipe.detect(t)
         assert (b.tool, b.fired, b.path) == (s.tool, s.fired, s.path)

@@ -268,8 +268,9 @@ def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_
     gradient descent must not overshoot (it did at a fixed step: 15 of 16 out-of-fold
     probabilities came out exactly 0 or 1, and thresholds of 1.0 fired 75% of the negatives)."""
     from sidecar import catalog as catalog_mod
-    from sidecar import config, tune
-    from sidecar.evaluate import Labeled
+    from sidecar import config
+    from sidecar.lab import tune
+    from sidecar.lab.evaluate import Labeled
 
     items = [Labeled(t, e, s) for t, e, s in POSITIVES[::2][:8]] + [Labeled(t, None, s) for t, s in NEGATIVES[::2][:8]]
     cfg = config.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("store",): str(tmp_path / "sidecar.db")})
@@ -285,7 +286,7 @@ def test_tune_reports_the_held_out_part_beside_baselines_eval_agrees_with(labele
     gates and rankings of the same run (plain cosine, BM25, a logistic regression on the
     embedding and plain cosine's scores fitted on the fit part); `eval` on those texts with
     the calibration written gives the same gate AUROC and the same baselines."""
-    from sidecar import tune
+    from sidecar.lab import tune
 
     cal, held = tmp_path / "cal.json", tmp_path / "held.jsonl"
     run = _cli("tune", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", labeled,
@@ -309,7 +310,7 @@ def test_tune_reports_the_held_out_part_beside_baselines_eval_agrees_with(labele
 def test_simple_gate_chooses_its_penalty_out_of_fold_and_separates_what_is_separable():
     import numpy as np
 
-    from sidecar.evaluate import auroc, simple_gate, simple_gate_features
+    from sidecar.lab.evaluate import auroc, simple_gate, simple_gate_features
 
     rng = np.random.default_rng(0)
     y = (rng.random(300) < 0.5).astype(float)
@@ -354,7 +355,7 @@ def test_tune_fits_and_judges_each_item_against_only_the_tools_it_offers(labeled
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     h = out["heldout"]
-    from sidecar import tune
+    from sidecar.lab import tune
 
     _, held_idx = tune.split(len(lines), 0.4, 3)
     held = tmp_path / "held.jsonl"

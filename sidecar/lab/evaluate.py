@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import numpy as np
 
-from . import jsonl, ranking
-from .catalog import Catalog
-from .gate import Decision
+from .. import jsonl, ranking
+from ..catalog import Catalog
+from ..gate import Decision
+from ..ranking import percentiles
 
 if TYPE_CHECKING:
-    from .engine import Sidecar
+    from ..engine import Sidecar
 
 
 class LabeledError(ValueError):
@@ -176,23 +177,16 @@ def ranking_report(items: Sequence[Labeled], rankings: Sequence[Sequence[str]]) 
     )
 
 
-def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
-    if not len(values):
-        return {f"p{q:g}": math.nan for q in qs}
-    arr = np.asarray(values, float)
-    return {f"p{q:g}": float(np.percentile(arr, q)) for q in qs}
-
-
-def judged(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> tuple[list[Decision], list]:
+def detected(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> tuple[list[Decision], list]:
     """Decisions and each item's query vector (None where a negative pattern blocked it
     unembedded), so ranking the same items need not embed them again."""
-    from .pipeline import Request
+    from ..pipeline import Request
 
     out: list[Decision] = []
     vectors: list = []
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
-        j = pipe.judge_batch([Request(i.text, i.source) for i in chunk])
+        j = pipe.detect_batch([Request(i.text, i.source) for i in chunk])
         out.extend(j.decisions)
         vectors.extend(j.vectors)
         if on_batch:
@@ -254,7 +248,7 @@ class GateBaseline(msgspec.Struct):
 def description_vectors(pipe) -> np.ndarray:
     """(tools, dim): each tool's description embedded as a document with the same model, and
     nothing else (no cases, no name words): what plain cosine compares a text with."""
-    from .index import embed_cached
+    from ..index import embed_cached
 
     descriptions = [(t.description or "").strip() or t.name for t in pipe.catalog]
     if not descriptions:
@@ -278,7 +272,7 @@ def simple_gate(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> Callable[[np
     """The gate a careful user would try first: logistic regression on `simple_gate_features`
     (standardised, L2 1 on the three scores, on the embedding the value of SIMPLE_GATE_L2 with
     the best out-of-fold AUROC over `folds`). Returns its probability function."""
-    from .learned import fit_logistic
+    from ..learned import fit_logistic
 
     def fit(rows: np.ndarray, l2: float) -> Callable[[np.ndarray], np.ndarray]:
         mu, sd = x[rows].mean(axis=0), x[rows].std(axis=0) + 1e-6
@@ -309,33 +303,17 @@ def offers(items: Sequence[Labeled], catalog: Catalog) -> dict[Catalog | None, l
 
 def each_offer(host, items: Sequence[Labeled]):
     """(`host` over the tools a group of items is judged against, the group's positions), per
-    group: `host` itself for the whole catalog. `host`: a Pipeline or a Sidecar."""
+    group: `host` itself for the whole catalog. `host`: a Sidecar."""
     for offered, at in offers(items, host.catalog).items():
         yield (host if offered is None else host.with_catalog(offered, persist=False)), at
-
-
-def judge_each(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Decision], list[list[str]]]:
-    """The pipeline's decision on every item and its ranking (the ranker's, no recommender)
-    of every positive, in item order, each item against the tools it is judged against."""
-    from .pipeline import Request
-
-    decisions: list[Decision | None] = [None] * len(items)
-    ranked: dict[int, list[str]] = {}
-    for own, at in each_offer(pipe, items):
-        some = [items[j] for j in at]
-        for j, item, d, vector in zip(at, some, *judged(own, some)):
-            decisions[j] = d
-            if item.positive:
-                ranked[j] = [c.tool for c in own.rank_batch([Request(item.text, item.source)], k, vector)[0]]
-    return decisions, [ranked[j] for j in sorted(ranked)]  # type: ignore[return-value]
 
 
 def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and
     parameter names; each item against the tools it is judged against."""
-    from .index import embed_cached
-    from .lexical import LexicalIndex
+    from ..index import embed_cached
+    from ..lexical import LexicalIndex
 
     names = np.asarray([t.name for t in pipe.catalog])
     column = {n: j for j, n in enumerate(names)}
@@ -377,12 +355,13 @@ class Scored(msgspec.Struct):
     ranked: list[list[str]]  # positives only: what would be injected, best first
 
 
-def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> Scored:
-    """Run every item through the engine as `serve` would: the gate over every item, the
-    ranking (the engine's recommender, history-neutral unless it has a metrics store) over
-    the positives. An item that offers tools is judged by the same engine over just those."""
-    from .engine import Judgement
-    from .pipeline import Request
+def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batch: int = 16) -> Scored:
+    """Run every item through `Sidecar.judge`, as `serve` judges a user turn: the gate (with
+    the cascade, where one is configured) over every item, the recommender's ranking
+    (history-neutral unless the engine has a metrics store) over every positive, fired or not,
+    and the fitted ranker's alone beside it. An item that offers tools is judged by the same
+    engine over just those."""
+    from ..pipeline import Request
 
     tick = bar.update if bar is not None else None
     decisions: list[Decision | None] = [None] * len(items)
@@ -390,21 +369,18 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None) -> S
     ranker: dict[int, list[str]] = {}
     ranked: dict[int, list[str]] = {}
     for own, at in each_offer(engine, items):
-        pipe = own.pipeline
-        some = [items[j] for j in at]
-        ds, vectors = judged(pipe, some, on_batch=tick)
-        for j, item, d, vector in zip(at, some, ds, vectors):  # ranked on the vector the gate already made
-            decisions[j] = d
-            if not item.positive:
-                first[j] = d.tool
-                continue
-            request = Request(item.text, item.source)
-            ranker[j] = [c.tool for c in pipe.rank_batch([request], k, vector)[0]]
-            recommended = own.rank(request, k, vector=vector)
-            ranked[j] = [r.tool for r in recommended.results]
-            first[j] = Judgement(d, recommended).first  # what would be injected first, had it fired
+        for lo in range(0, len(at), batch):
+            chunk = at[lo : lo + batch]
+            requests = [Request(items[j].text, items[j].source) for j in chunk]
+            for j, request, judgement in zip(chunk, requests, own.judge(requests, top=k, rank_silent=True)):
+                decisions[j] = judgement.decision
+                tools = [r.tool for r in judgement.ranked.results]
+                first[j] = tools[0] if tools else None  # injected first, or would be had the gate fired
+                if items[j].positive:
+                    ranked[j] = tools
+                    ranker[j] = [c.tool for c in own.pipeline.rank_batch([request], k, judgement.vector)[0]]
             if tick:
-                tick(1)
+                tick(len(chunk) + sum(items[j].positive for j in chunk))
     if bar is not None:
         bar.close()
     return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)])  # type: ignore[arg-type]

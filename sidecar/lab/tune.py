@@ -1,9 +1,7 @@
-"""Fitting the gate to a model and a catalog from a labelled set.
-
-Two questions, answered from the same scores the pipeline computes:
-* which index strategy separates tool requests from everything else best (the matrix), and
-* which thresholds the tiered gate should use (the calibration).
-Pure numpy over per-item scores; the caller gets the scores from the pipeline.
+"""Fitting a calibration from a labelled set: the ranker's view weights and query adapter, the
+gate head, and the threshold on its probability, chosen on out-of-fold probabilities. `fit`
+returns the `Calibration` with how it did: the part held out is judged by an engine built from
+it (`judge_heldout`), exactly as `eval` and `serve` judge, beside the simplest baselines.
 """
 
 from __future__ import annotations
@@ -17,17 +15,18 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from .calibration import Calibration, builtin
-from .catalog import SEP, Catalog
-from .config import Config
-from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, judge_each, ranking_report, simple_gate, simple_gate_features
-from .gate import PathKind, Thresholds, ToolThresholds, fires, screen
-from .index import embed_cached, wants_classifier
-from .learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, Examples, Exemplars, GateHead, Known, Ranker, fit_gate_head, fit_query_adapter,
-                      fit_ranker, match, rank_features)
-from .lexical import LexicalIndex
-from .pipeline import Pipeline, Request, Views, from_config
-from .store import Store
+from ..calibration import Calibration, builtin
+from ..catalog import SEP, Catalog
+from ..config import Config
+from ..engine import Sidecar
+from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, score, simple_gate, simple_gate_features
+from ..gate import PathKind, Thresholds, fires, route
+from ..index import embed_cached, wants_classifier
+from ..learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
+                       match, rank_features)
+from ..lexical import LexicalIndex
+from ..pipeline import Pipeline, Request, Views, from_config
+from ..store import Store
 
 # Below these counts a fitted threshold is noise; the caller reports rather than fits.
 MIN_POSITIVES = 8
@@ -101,19 +100,6 @@ class GateScores(msgspec.Struct):
     def __post_init__(self) -> None:
         self.score = [round(float(x), 4) for x in self.score]  # as `judge` compares them
 
-    @classmethod
-    def from_decisions(cls, items, decisions) -> GateScores:
-        path, score, positive, correct, tool = [], [], [], [], []
-        for i, d in zip(items, decisions):
-            path.append(d.kind)
-            score.append(-1.0 if d.score is None else float(d.score))
-            positive.append(i.positive)
-            correct.append(i.positive and d.tool in i.expected)
-            tool.append(d.tool)
-        return cls(path, score, positive, correct, tool)
-
-    def subset(self, idx: Sequence[int]) -> GateScores:
-        return GateScores(*([getattr(self, f)[i] for i in idx] for f in ("path", "score", "positive", "correct", "tool")))
 
 
 def fired(s: GateScores, t: Thresholds) -> np.ndarray:
@@ -138,106 +124,31 @@ def rates(s: GateScores, t: Thresholds) -> GateFit:
     return GateFit(t, float(tp), float(fp), acc, float((f & correct)[pos].mean()) if pos.any() else math.nan)
 
 
-def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.97, per_tool: bool = True,
-             shared: bool = False) -> GateFit:  # fmt: skip
-    """Search the high-pattern and fallback thresholds jointly for the objective; ties go to
-    the pair that fires the right tool most, then to the higher (safer) thresholds. `confirm`
-    is the lower of the two (the paths' own thresholds decide), `auto` the lowest score at
-    which fired decisions needed a tool at least `auto_precision` of the time. With `per_tool`,
-    a tool that is the best candidate of enough positives and negatives gets its own pair.
-    With `shared`, one threshold serves both paths (see `fit`)."""
+def fit_gate(s: GateScores, objective: Objective = Objective(), auto_precision: float = 0.97) -> GateFit:
+    """The one threshold for every live path that best meets `objective` (ties go to the one
+    that fires the right tool most, then to the higher, safer one); `confirm` is that bar,
+    `auto` the lowest score at which fired decisions needed a tool at least `auto_precision`
+    of the time. One bar for both paths: the gate head already reads the path (its `high`
+    feature), and a second, searched bar chased the folds (held-out TP 84.9% -> 83.7% when
+    "look at/into/through" joined the high patterns). No per-tool bars: on out-of-fold
+    probabilities they over-fit a tool's few texts (Banking77 test TP 89.7% -> 87.0%), and a
+    probability already means the same for every tool."""
     pos = np.asarray(s.positive)
     if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
         raise ValueError(f"need at least {MIN_POSITIVES} positives and {MIN_NEGATIVES} negatives to fit thresholds")
-    found = _search_shared(s, objective) if shared else _search_pair(s, objective)
-    if found is None:
-        raise ValueError(f"no thresholds meet the objective {objective.kind} (fp <= {objective.max_fp})")
-    h, f = found
-    confirm = min(h, f)
-    tools = _fit_tools(s, objective, h, f) if per_tool else {}
-    if tools:
-        confirm = min([confirm, *(v for t in tools.values() for v in (t.high, t.fallback) if v is not None)])
-    t = Thresholds(high=h, fallback=f, auto=1.0, confirm=confirm, tools=tools)
-    t = msgspec.structs.replace(t, auto=_auto_cut(s, t, auto_precision))
-    return rates(s, t)
-
-
-def _search_pair(s: GateScores, objective: Objective) -> tuple[float, float] | None:
-    """The (high, fallback) pair that best meets `objective` on `s`, or None if none does."""
-    path = np.asarray(s.path)
-    score = np.asarray(s.score)
-    pos = np.asarray(s.positive)
-    correct = np.asarray(s.correct)
-    live = path != "negative"
-    hi, fb = live & (path == "high"), live & (path == "fallback")
-    grid_h = _cuts(score[hi]) if hi.any() else np.array([1.0])
-    grid_f = _cuts(score[fb]) if fb.any() else np.array([1.0])
-    both_paths = hi.any() and fb.any()
-    if both_paths:  # the fallback may sit at any high bar (see below)
-        grid_f = np.union1d(grid_f, grid_h)
-    # fired[h, f, item] without materialising the cube: per path, items over each threshold.
-    over_h = score[None, :] >= grid_h[:, None]  # (H, n)
-    over_f = score[None, :] >= grid_f[:, None]  # (F, n)
-    n_pos, n_neg = max(pos.sum(), 1), max((~pos).sum(), 1)
-    tp = (over_h & hi & pos).sum(1)[:, None] + (over_f & fb & pos).sum(1)[None, :]
-    fp = (over_h & hi & ~pos).sum(1)[:, None] + (over_f & fb & ~pos).sum(1)[None, :]
-    ok = (over_h & hi & correct).sum(1)[:, None] + (over_f & fb & correct).sum(1)[None, :]
-    objective = msgspec.structs.replace(objective, positive_share=float(n_pos / (n_pos + n_neg)))
-    value = objective.better(tp / n_pos, fp / n_neg)
-    # A high-confidence pattern is evidence for a tool: its bar is never above the fallback's
-    # (unconstrained, the corpus's search spent the FP budget on the fallback path and set the
-    # high bar at 0.80 over a fallback of 0.79: the opposite of what the pattern means).
-    if both_paths:
-        value = np.where(grid_h[:, None] <= grid_f[None, :] + 1e-9, value, -np.inf)
-    if not np.isfinite(value).any():
-        return None
-    # lexicographic: objective, then right-tool count, then higher thresholds
-    key = np.stack(np.broadcast_arrays(value, ok, grid_h[:, None] + grid_f[None, :]), -1).reshape(-1, 3)
-    best = np.lexsort((key[:, 2], key[:, 1], key[:, 0]))[-1]
-    h, f = grid_h[best // len(grid_f)], grid_f[best % len(grid_f)]
-    return float(h), float(f)
-
-
-def _search_shared(s: GateScores, objective: Objective) -> tuple[float, float] | None:
-    """The one threshold for every live path that best meets `objective` (ties: the one that
-    fires the right tool most, then the higher), as a (high, fallback) pair."""
     score = np.asarray(s.score)
     live = np.asarray(s.path) != "negative"
-    pos, correct = np.asarray(s.positive), np.asarray(s.correct)
+    correct = np.asarray(s.correct)
     grid = _cuts(score[live]) if live.any() else np.array([1.0])
     over = (score[None, :] >= grid[:, None]) & live  # (G, n)
     n_pos, n_neg = max(pos.sum(), 1), max((~pos).sum(), 1)
     objective = msgspec.structs.replace(objective, positive_share=float(n_pos / (n_pos + n_neg)))
     value = objective.better((over & pos).sum(1) / n_pos, (over & ~pos).sum(1) / n_neg)
     if not np.isfinite(value).any():
-        return None
-    best = float(grid[np.lexsort((grid, (over & correct).sum(1), value))[-1]])
-    return best, best
-
-
-def _fit_tools(s: GateScores, objective: Objective, high: float, fallback: float) -> dict[str, ToolThresholds]:
-    """Own thresholds for each tool that is the best candidate of at least MIN_POSITIVES
-    positives and MIN_NEGATIVES negatives (where the data allows, and only there), kept when
-    they differ from the model's."""
-    out: dict[str, ToolThresholds] = {}
-    by_tool: dict[str, list[int]] = {}
-    for i, (tool, path) in enumerate(zip(s.tool, s.path)):
-        if tool is not None and path != "negative":
-            by_tool.setdefault(tool, []).append(i)
-    for tool, idx in sorted(by_tool.items()):
-        sub = s.subset(idx)
-        n_pos = sum(sub.positive)
-        if n_pos < MIN_POSITIVES or len(idx) - n_pos < MIN_NEGATIVES:
-            continue
-        found = _search_pair(sub, objective)
-        if found is None:
-            continue
-        h = found[0] if "high" in sub.path else None
-        f = found[1] if "fallback" in sub.path else None
-        own = ToolThresholds(h if h != high else None, f if f != fallback else None)
-        if own.high is not None or own.fallback is not None:
-            out[tool] = own
-    return out
+        raise ValueError(f"no thresholds meet the objective {objective.kind} (fp <= {objective.max_fp})")
+    bar = float(grid[np.lexsort((grid, (over & correct).sum(1), value))[-1]])
+    t = Thresholds(high=bar, fallback=bar, auto=1.0, confirm=bar)
+    return rates(s, msgspec.structs.replace(t, auto=_auto_cut(s, t, auto_precision)))
 
 
 def _auto_cut(s: GateScores, t: Thresholds, precision: float) -> float:
@@ -338,8 +249,8 @@ def fit(
     vectors = query_vectors(pipe, [i.text for i in items])
     requests = [Request(i.text, i.source) for i in fit_items]
     q = vectors[fit_idx]
-    screens = [screen(r.text, r.source, pipe.patterns, weigh_negatives=True) for r in requests]
-    high = np.array([s.kind == "high" for s in screens])
+    routes = [route(r.text, r.source, pipe.patterns, weigh_negatives=True) for r in requests]
+    high = np.array([s.kind == "high" for s in routes])
     y = pos.astype(float)
     # Stacking: the gate head learns from features each text gets from a ranker, an adapter
     # and exemplars fitted without it (without its whole server, where there are servers).
@@ -366,21 +277,21 @@ def fit(
         pipe.ranker = _fit_ranker(pipe, q, features, targets, train[pos[train]], offers.matrix)
         fold_own = _exemplars(q[train], pos[train], high[train], seed)
         known = {pool: fold_own.plus(extra).arrays() for pool, extra in pools.items()}
-        sub, subreq, subscr = [fit_items[k] for k in test], [requests[k] for k in test], [screens[k] for k in test]
+        sub, subreq, subroutes = [fit_items[k] for k in test], [requests[k] for k in test], [routes[k] for k in test]
         wide = pipe.views(subreq, q[test])
         views = offers.views(wide, test)
         for pool in pools:
-            x[pool][test] = offers.gate_inputs(subreq, q[test], views, subscr, known[pool])
+            x[pool][test] = offers.gate_inputs(subreq, q[test], views, subroutes, known[pool])
         # Each text once more against a smaller catalog (a random part of its servers): users
         # bring 5 tools or 500, and a request the catalog does not cover must stay silent.
-        parts, _, tools[1, test] = _against_parts(offers, test, sub, subreq, q[test], wide, subscr, list(known.values()),
+        parts, _, tools[1, test] = _against_parts(offers, test, sub, subreq, q[test], wide, subroutes, list(known.values()),
                                                   np.random.default_rng(seed + f))  # fmt: skip
         for pool, xp in zip(pools, parts):
             x_part[pool][test] = xp
         if (at := np.flatnonzero(absent[test])).size:  # positions in this fold's lists
             gone = test[at]
             parts, absent[gone], tools[2, gone] = _against_parts(offers, gone, [sub[k] for k in at], [subreq[k] for k in at], q[gone],
-                                                                 [wide[k] for k in at], [subscr[k] for k in at], list(known.values()),
+                                                                 [wide[k] for k in at], [subroutes[k] for k in at], list(known.values()),
                                                                  np.random.default_rng(seed + f), absent=True)  # fmt: skip
             for pool, xp in zip(pools, parts):
                 x_absent[pool][gone] = xp
@@ -396,7 +307,7 @@ def fit(
     # against the whole catalog and against a part of it (and, with `absent_share`, against a
     # part without its tools). On the whole-catalog rows alone the bar suited hundreds of tools
     # and caught fewer requests among one server's few (README, "Quality").
-    kinds = np.array([s.kind for s in screens], object)
+    kinds = np.array([s.kind for s in routes], object)
     rows = np.concatenate([np.arange(len(fit_items))] * 2 + [np.flatnonzero(absent)])  # the fit text of each row
     row_y = np.concatenate([y, y, np.zeros(int(absent.sum()))]) > 0
     row_tool = np.concatenate([tools[0], tools[1], tools[2, absent]])
@@ -408,7 +319,7 @@ def fit(
 
     def head_of(c: Start, rows: np.ndarray) -> GateHead:
         k = c.strength
-        head = fit_gate_head(*both(c.pool, rows), pooled[c.pool], k * l2, k * l2_embedding, features=GATE_SCALARS, prior=c.head)
+        head = GateHeadFit(k * l2, k * l2_embedding).fit(*both(c.pool, rows), pooled[c.pool], prior=c.head)
         return msgspec.structs.replace(head, floor=floor)
 
     # Out of fold, for the thresholds and, where the model has a built-in calibration, to
@@ -434,38 +345,33 @@ def fit(
         correct=correct,
         tool=row_tool.tolist(),
     )
-    # One bar for both paths: the head already reads the path (its `high` feature), and a
-    # second, searched bar chased the folds: with "look at/into/through" added to the high
-    # patterns the pair went from 0.73 / 0.81 to 0.41 / 0.85 and held-out TP fell 84.9% ->
-    # 83.7%; one shared bar gave 84.9% at FP 3.2% (README, "Quality"). No per-tool bars: on
-    # the same out-of-fold probabilities they over-fit a tool's few texts (Banking77 test TP
-    # 89.7% -> 87.0%, one tool's bar at 0.001; HWU64 70.1% -> 69.1%): a probability already
-    # means the same for every tool.
-    fitted = fit_gate(scores, objective, per_tool=False, shared=True)
+    fitted = fit_gate(scores, objective)
     examples = _examples(fit_items, q, catalog)
     cal = Calibration(pipe.embedder.name, fitted.thresholds, pipe.embedder.prefixes is not None,
                       str(pipe.strategies["user"]), str(pipe.strategies["llm"]), ranker, head, examples)  # fmt: skip
     heldout = Heldout(math.nan, math.nan, math.nan, math.nan, 0)
     if held_idx:
-        say(f"judging the {len(held_idx)} held-out texts")
-        pipe.head, pipe.thresholds = head, fitted.thresholds
-        if examples is not None:  # the classifier learns from them as the calibration's will
-            pipe.examples = examples
-            pipe.reindex(catalog, persist=False)
-        held = [items[i] for i in held_idx]
-        decisions, rankings = judge_each(pipe, held)
-        g = gate_report(held, decisions)
-        r = ranking_report([i for i in held if i.positive], rankings)
-        say("fitting and judging the baselines")
-        ranked, cosine_gate = baselines(pipe, held)
-        base = {b.kind: b.ranking.top1 for b in ranked}
-        d = description_vectors(pipe)  # plain cosine: the texts' vectors, already here, against the descriptions
-        simple = simple_gate(simple_gate_features(offers.only_offered(q @ d.T), q), y, folds)
-        p = simple(simple_gate_features(Offers(pipe, held).only_offered(vectors[held_idx] @ d.T), vectors[held_idx]))
-        yh = np.array([i.positive for i in held])
-        heldout = Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr,
-                          g.auroc, cosine_gate.auroc, auroc(p[yh], p[~yh]), base["cosine"], base["bm25"])  # fmt: skip
+        say(f"judging the {len(held_idx)} held-out texts on an engine built from the calibration, and the baselines")
+        engine = Sidecar(cfg, from_config(cfg, catalog=catalog, store=store, progress=False, calibration=cal, embedder=pipe.embedder), store, None)
+        simple = simple_gate(simple_gate_features(offers.only_offered(q @ description_vectors(pipe).T), q), y, folds)
+        heldout = judge_heldout(engine, [items[i] for i in held_idx], vectors[held_idx], simple)
     return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0, chosen.name, tried)
+
+
+def judge_heldout(engine: Sidecar, held: Sequence[Labeled], vectors: np.ndarray, simple: Callable[[np.ndarray], np.ndarray]) -> Heldout:
+    """The part never fitted, judged by `engine` as `eval` and `serve` judge (`evaluate.score`),
+    beside the baselines of the same texts: one threshold on plain cosine, the `simple` gate
+    fitted on the fit part (the texts' `vectors` are its inputs), plain cosine and BM25 rankings."""
+    scored = score(engine, held)
+    g = gate_report(held, scored.decisions, scored.first)
+    r = ranking_report([i for i in held if i.positive], scored.ranked)
+    ranked, cosine_gate = baselines(engine.pipeline, held)
+    base = {b.kind: b.ranking.top1 for b in ranked}
+    cosines = Offers(engine.pipeline, held).only_offered(vectors @ description_vectors(engine.pipeline).T)
+    p = simple(simple_gate_features(cosines, vectors))
+    yh = np.array([i.positive for i in held])
+    return Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr,
+                   g.auroc, cosine_gate.auroc, auroc(p[yh], p[~yh]), base["cosine"], base["bm25"])  # fmt: skip
 
 
 class Start(NamedTuple):
@@ -508,7 +414,7 @@ def _oof_value(scores: GateScores, objective: Objective) -> float:
     """The objective's value at the best shared threshold on out-of-fold scores (-inf where
     no threshold meets it)."""
     try:
-        return objective.value(fit_gate(scores, objective, per_tool=False, shared=True))
+        return objective.value(fit_gate(scores, objective))
     except ValueError:
         return -math.inf
 
@@ -551,10 +457,10 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     index = pipe.index_for("user")
     feats, wanted = features[rows], [targets[k] for k in rows]
     shown = None if offered is None else offered[rows]
-    ranker = fit_ranker(feats, wanted, offered=shown)
+    ranker = RankerFit().fit(feats, wanted, offered=shown)
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
-    adapter = fit_query_adapter(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
+    adapter = AdapterFit().fit(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
     return Ranker(ranker.weights, adapter)
 
 
@@ -637,13 +543,13 @@ class Offers:
         """The first tool of views `v` over the tools of `mask` ("" over none)."""
         return str(self.names[mask][int(np.argmax(v.scores[0]))]) if v.scores.shape[1] else ""
 
-    def gate_inputs(self, requests, q: np.ndarray, views: Sequence[Views], screens, known: Known) -> np.ndarray:
+    def gate_inputs(self, requests, q: np.ndarray, views: Sequence[Views], routes, known: Known) -> np.ndarray:
         """The gate head's fit rows for `views`, each against its own tools (batched by how many)."""
         out = np.zeros((len(views), len(GATE_SCALARS) + q.shape[1]))
         widths = np.array([v.scores.shape[1] for v in views])
         for width in np.unique(widths):
             rows = np.flatnonzero(widths == width)
-            out[rows] = self.pipe.gate_inputs([requests[j] for j in rows], q[rows], [views[j] for j in rows], [screens[j] for j in rows],
+            out[rows] = self.pipe.gate_inputs([requests[j] for j in rows], q[rows], [views[j] for j in rows], [routes[j] for j in rows],
                                               known, exclude_self=True, names=GATE_SCALARS)  # fmt: skip
         return out
 
@@ -651,7 +557,7 @@ class Offers:
 PARTS = 16  # distinct smaller catalogs the texts are spread over
 
 
-def _against_parts(offers: Offers, at: Sequence[int], items, requests, q, views, screens, knowns: Sequence[Known], rng,
+def _against_parts(offers: Offers, at: Sequence[int], items, requests, q, views, routes, knowns: Sequence[Known], rng,
                    absent: bool = False) -> tuple[list[np.ndarray], np.ndarray, list[str]]:  # fmt: skip
     """Gate features of each text (positions `at`; whole-catalog `views`) against a smaller
     catalog: one of PARTS random sets of servers (of single tools, for a one-server catalog),
@@ -682,7 +588,7 @@ def _against_parts(offers: Offers, at: Sequence[int], items, requests, q, views,
         part = offers.narrow(views[k], requests[k].text, mask)
         best[k] = offers.best_within(mask, part)
         for x, kn in zip(xs, knowns):
-            x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [screens[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
+            x[k] = pipe.gate_inputs([requests[k]], q[k : k + 1], [part], [routes[k]], kn, exclude_self=True, names=GATE_SCALARS)[0]
     return xs, judged, best
 
 

@@ -1,17 +1,10 @@
-"""The cascade: a small screen model settles the texts it is sure need no tool, so only the
-rest reach the main model (issue 12: nomic costs ~10x MiniLM per clause, and most streamed
-clauses need no tool).
+"""Fitting the cascade's cutoff: under which screen-model probability a text is settled as
+"no tool" without reaching the main model (the engine runs the cascade: `engine.settle`).
 
-The parts, each used by the engine and by `sidecar cascade` alike:
-* `screen_pipeline` builds the screen: the screen model with its own built-in calibration,
-  over the main pipeline's catalog and sharing its patterns;
-* `settle` turns a screen decision into the final "no tool" decision, or None (pass it on);
 * `fit_reject_below` picks the cutoff from labelled data (pure numpy), and `outcome` reports
   what a cutoff does; `measure` feeds them both models' decisions on a labelled set, and
   `fit_out_of_fold` the out-of-fold ones `tune` computes on the set the calibrations were
   fitted on.
-A text on a high-pattern path is never settled (its bar is lower, and the pattern already
-says it asks for something); a negative-pattern block needs no embedding in either model.
 """
 
 from __future__ import annotations
@@ -23,51 +16,15 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from . import models
-from .catalog import Catalog
-from .config import Config, GateConfig
-from .evaluate import GateReport, Labeled, gate_report, judged
-from .gate import Decision, PathKind
-from .pipeline import Pipeline, from_config
+from ..catalog import Catalog
+from ..config import Config
+from ..engine import settle
+from .evaluate import GateReport, Labeled, gate_report, detected
+from ..gate import PathKind
 
 if TYPE_CHECKING:
-    from .engine import Sidecar
-    from .store import Store
-
-SETTLED_PATH = "fallback:screen"  # a fallback-path text the screen settled (gate.path_kind: "fallback")
-
-
-def screen_pipeline(cfg: Config, main: Pipeline, progress: bool = True) -> Pipeline | None:
-    """The screen model's pipeline over `main`'s catalog and store, or None when the cascade
-    is off or would only repeat the main model. It runs on the screen model's built-in
-    calibration: the config's calibration file, thresholds and index strategies are the main
-    model's. It shares `main`'s patterns, so one pattern set and one timeout count serve both."""
-    name = cfg.cascade.screen
-    if not name or models.base_name(name) == models.base_name(main.embedder.name):
-        return None
-    gate = GateConfig(patterns=cfg.gate.patterns, regex_timeout_ms=cfg.gate.regex_timeout_ms)
-    own = msgspec.structs.replace(
-        cfg,
-        model=msgspec.structs.replace(cfg.model, name=name, task_prefixes="auto"),
-        gate=gate,
-        index=msgspec.structs.replace(cfg.index, user_strategy=None, llm_strategy=None),
-        calibration=None,
-    )
-    screen = from_config(own, catalog=main.catalog, store=main.store, progress=progress)
-    if screen.head is None:  # a probability cutoff needs the model's gate head
-        raise ValueError(f"cascade.screen={name!r} has no built-in calibration with a gate head")
-    screen.patterns = main.patterns
-    return screen
-
-
-def settle(d: Decision, reject_below: float) -> Decision | None:
-    """The screen's decision as the final one when it settles the text as "no tool": on the
-    fallback path, not fired, and its probability under `reject_below`. Its path says so
-    (SETTLED_PATH), its threshold is the cutoff; tool, score and candidates are the screen's."""
-    if d.kind != "fallback" or d.fired or d.score is None or not d.score < reject_below:
-        return None
-    return msgspec.structs.replace(d, path=SETTLED_PATH, threshold=reject_below, tier=None, fired=False)
-
+    from ..engine import Sidecar
+    from ..store import Store
 
 class Outcome(msgspec.Struct):
     """What a cutoff does on a labelled set, against the main model judging every text."""
@@ -181,8 +138,8 @@ def measure(engine: Sidecar, items: Sequence[Labeled], max_loss: float = 0.01, r
     measured against), then fit the cutoff (or take `reject_below`) and report both gates."""
     if engine.screen is None:
         raise ValueError("no screen: set cascade.screen (or --screen) to a model other than the main one")
-    main, _ = judged(engine.pipeline, items, on_batch=on_batch)
-    first, _ = judged(engine.screen, items, on_batch=on_batch)
+    main, _ = detected(engine.pipeline, items, on_batch=on_batch)
+    first, _ = detected(engine.screen, items, on_batch=on_batch)
     prob = [d.score if d.score is not None else math.nan for d in first]
     kinds = [d.kind for d in main]
     fired = [d.fired for d in main]
