@@ -1,7 +1,7 @@
 """The labelled corpus behind the built-in calibrations (fixtures/corpus/): every line well
 formed and naming real tools, every tool of a corpus server asked for in both voices, and the
 fit / held-out files exactly what bench/corpus_split.py writes from the per-server files (so a
-calibration refitted from them is refitted from what the README describes)."""
+calibration refitted from them is refitted from what docs/benchmarks.md describes)."""
 
 from __future__ import annotations
 

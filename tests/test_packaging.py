@@ -1,8 +1,11 @@
 """A non-editable install works on its own: the wheel carries the patterns, the built-in
-calibrations and the page as package data, and `detect` runs from it outside the source tree."""
+calibrations and the page as package data, and `detect` runs from it outside the source tree.
+The distribution is `intent-sidecar` ("sidecar" on PyPI is an unrelated package); the import
+package and the command stay `sidecar`."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import pathlib
 import subprocess
@@ -10,18 +13,27 @@ import sys
 import sysconfig
 import zipfile
 
+import sidecar
 from sidecar import models
 
 from .conftest import CATALOGS, ROOT
 
 BOUND_S = 600  # building the wheel fetches setuptools into an isolated build environment
+DISTRIBUTION = "intent-sidecar"
+
+
+def test_the_installed_distribution_is_intent_sidecar_and_provides_the_sidecar_package():
+    assert importlib.metadata.version(DISTRIBUTION) == sidecar.__version__
+    assert DISTRIBUTION in importlib.metadata.packages_distributions()["sidecar"]
+    scripts = importlib.metadata.distribution(DISTRIBUTION).entry_points.select(group="console_scripts")
+    assert [(e.name, e.value) for e in scripts] == [("sidecar", "sidecar.cli:main")]
 
 
 def test_a_wheel_installed_into_a_fresh_venv_runs_detect_with_its_own_patterns(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
                    check=True, timeout=BOUND_S, capture_output=True)  # fmt: skip
-    [wheel] = wheels.glob("sidecar-*.whl")
+    [wheel] = wheels.glob("intent_sidecar-*.whl")  # the wheel name normalises "-" to "_"
     names = set(zipfile.ZipFile(wheel).namelist())
     for data in ("sidecar/builtin_patterns/negative.txt", "sidecar/builtin_patterns/high.txt", "sidecar/builtin_patterns/lists.txt",
                  "sidecar/calibrations/nomic-embed-text-v1.5.json", "sidecar/page/index.html"):  # fmt: skip
