@@ -1,6 +1,6 @@
 """Gate thresholds belong to a model: each model has its own cosine scale.
 
-Built-in defaults come from measurements (see README); a calibration file written by
+Built-in defaults come from measurements (docs/benchmarks.md); a calibration file written by
 `sidecar tune` overrides them for the model it was fitted on, and explicit configuration
 overrides both.
 """
@@ -35,7 +35,7 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
 
 # What a model gets when nothing else is said: the calibration shipped in the package
 # (sidecar/calibrations/<model>.json), fitted with `sidecar tune` on the project's labelled
-# corpus and reported on servers it never saw (README, "Choosing thresholds"). A calibration
+# corpus and reported on servers it never saw (docs/benchmarks.md, "Held-out servers"). A calibration
 # file replaces it; explicit configuration overrides single thresholds of either.
 def builtin(model: str) -> Calibration | None:
     if model not in _BUILTIN:
@@ -54,7 +54,7 @@ def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration |
     """The calibration that applies to `model` and where it came from. A file fitted on
     another model is refused: its numbers are on another model's scale. A quantised variant
     (NAME:q8_0) takes its base model's, unless given one fitted on the variant itself (its
-    scores shift a little: README, "Quantised models")."""
+    scores shift a little: docs/benchmarks.md, "Quantised models")."""
     base = models.base_name(model)
     if calibration is not None:
         if calibration.model not in (model, base):

@@ -527,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the gate head's L2 on the embedding's dimensions (default 1000; the scores get 1)")
     p.add_argument("--absent-share", type=float, default=0.0, metavar="X",
                    help="share of the requests also fitted as 'needs none' against a catalog without their tools (default 0): "
-                   "for sets with no requests outside their catalog, when traffic will have them (README, 'Quality')")
+                   "for sets with no requests outside their catalog, when traffic will have them (docs/benchmarks.md)")
     p.add_argument("--start", choices=("auto", "none"), default="auto",
                    help="auto (default): where the model has a built-in calibration, also try the gate head pooled with its "
                    "exemplars, and pulled toward its head, keeping what does best out of fold; none: these texts alone")

@@ -203,7 +203,7 @@ class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Screen probability under which a text on the fallback path is settled as "no tool"
     # without the main model (never a high-pattern text). Fitted for MiniLM before nomic with
     # `sidecar cascade --out-of-fold` on the corpus's fit part; on the held-out servers it cost
-    # 1.7 points of TP, so the cascade ships off (README, "A cascade").
+    # 1.7 points of TP, so the cascade ships off (docs/benchmarks.md, "The cascade").
     reject_below: float = 0.2607
 
     def __post_init__(self) -> None:

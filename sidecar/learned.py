@@ -41,7 +41,7 @@ class QueryAdapter(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A linear map of a query's vector before its cosines to the tools are taken:
     q' = normalize(q + W q). Requests and tool descriptions are different kinds of text; W,
     fitted on labelled requests of many servers, moves a request toward how tools describe
-    themselves, in a way that carries to servers it never saw (README, "Quality")."""
+    themselves, in a way that carries to servers it never saw (docs/benchmarks.md)."""
 
     dim: int
     weights: bytes  # W, float16, row-major (dim x dim)
@@ -119,7 +119,7 @@ class Examples(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Labelled requests `tune` fitted on, each with the one tool it asked for (float16 unit
     vectors, embedded as queries). A catalog whose tools carry their own cases fits its
     classifier on these rows too: a tool is also what users ask of it, Tool2Vec's idea, from
-    the texts a user labelled (README, "Quality")."""
+    the texts a user labelled (docs/benchmarks.md)."""
 
     dim: int
     tools: list[str]  # per row

@@ -73,7 +73,7 @@ def tool_text(tool: Tool) -> str:
     were (nomic: BFCL live 57.6% -> 62.7%, BFCL synthetic 73.1% -> 75.4%, the corpus's
     held-out servers 66.0% -> 67.0%). The parameters' descriptions rose it a little more on
     those sets but carry examples ("e.g. 'Asia/Tokyo'") that outscore the tool a request is
-    for ("what time is it in Tokyo" went to convert_time), so they stay out (README, "Quality")."""
+    for ("what time is it in Tokyo" went to convert_time), so they stay out (docs/benchmarks.md)."""
     return " ".join([tool.bare_name, tool.title or "", tool.description, *parameter_names(tool)])
 
 

@@ -2,7 +2,7 @@
 each threshold costs? Left: score distributions of texts that need a tool and texts that do
 not, per gate path, with the fitted thresholds. Right: TP and FP rates as one threshold sweeps.
 
-matplotlib is an optional extra (`pip install 'sidecar[plot]'`), imported only here.
+matplotlib is an optional extra (`pip install -e '.[plot]'` from the clone), imported only here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'sidecar[plot]'") from None
+        raise ValueError("--plot needs matplotlib: pip install -e '.[plot]' (from the clone)") from None
 
 
 def gate_plot(fitted: Fitted, out: str | pathlib.Path) -> None:

@@ -306,7 +306,7 @@ def fit(
     # The thresholds are chosen on every row the head learns from, out of fold: each text
     # against the whole catalog and against a part of it (and, with `absent_share`, against a
     # part without its tools). On the whole-catalog rows alone the bar suited hundreds of tools
-    # and caught fewer requests among one server's few (README, "Quality").
+    # and caught fewer requests among one server's few (docs/benchmarks.md, "One server's tools").
     kinds = np.array([s.kind for s in routes], object)
     rows = np.concatenate([np.arange(len(fit_items))] * 2 + [np.flatnonzero(absent)])  # the fit text of each row
     row_y = np.concatenate([y, y, np.zeros(int(absent.sum()))]) > 0

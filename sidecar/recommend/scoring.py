@@ -135,8 +135,8 @@ class IntentRules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Off by default: measured on top of the fitted ranker (which already weighs BM25), the
     design's values (0.4 / 0.2 / 0.2 / 0.1 boosts, 0.30 / 0.20 / 0.30 penalties) cost 5.5
-    points of top-1 on Banking77 and gained nothing on the corpus's held-out servers (README,
-    "Choosing thresholds"). Set them in `[recommend.intent]` to measure them on your data."""
+    points of top-1 on Banking77 and gained nothing on the corpus's held-out servers
+    (docs/benchmarks.md). Set them in `[recommend.intent]` to measure them on your data."""
 
     name_action: float = 0.0
     name_term: float = 0.0
