@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from . import __version__, models
+from . import __version__, models, progress
 from . import config as config_mod
 from .calibration import CalibrationError
 from .catalog import CatalogError
@@ -34,6 +34,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
     p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (loading, indexing, judging)")
 
 
 def _print_json(obj: object) -> None:
@@ -62,7 +63,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     text = " ".join(args.text) if args.text else sys.stdin.read()
     if not text.strip():
         raise ValueError("no text to judge: pass TEXT or pipe it on stdin")
-    engine = Sidecar.open(_config(args), progress=not args.json)
+    engine = Sidecar.open(_config(args), progress=not args.quiet)
     [judged] = engine.judge([Request(text, args.source)])
     injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
@@ -84,7 +85,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     query = " ".join(args.query) if args.query else sys.stdin.read()
     if not query.strip():
         raise ValueError("no query: pass QUERY or pipe it on stdin")
-    engine = Sidecar.open(_config(args), progress=not args.json)
+    engine = Sidecar.open(_config(args), progress=not args.quiet)
     rec = engine.rank(Request(query), args.top, context=Context(agent=args.agent), mode=args.mode)
     if args.json:
         out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
@@ -103,7 +104,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from .recommend import learn
 
     cfg = _config(args)
-    engine = Sidecar.open(cfg, progress=not args.json)
+    engine = Sidecar.open(cfg, progress=not args.quiet)
     rows = engine.history.feedback()
     samples = learn.samples_from_feedback(engine.recommender, rows)
     if not samples:
@@ -221,12 +222,6 @@ def describe(d: Decision, injected: Sequence[str] = ()) -> str:
     return head + (f"\n  next: {others}" if others else "") + (" [text truncated to the model's limit]" if d.truncated else "") + f"\n  {timing}"
 
 
-def _progress_bar(total: int, desc: str, enabled: bool = True):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, disable=not enabled, leave=False)
-
-
 def _writable(path: str | None) -> None:
     """Refuse an output path that cannot be written before any work is done (a model load, a
     fit), rather than after it; the file itself is only written once there is something to write."""
@@ -247,9 +242,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .engine import Sidecar
 
     _writable(args.items)
-    engine = Sidecar.open(_config(args), progress=True, history=False)  # a labelled set has no call history
+    engine = Sidecar.open(_config(args), progress=not args.quiet, history=False)  # a labelled set has no call history
     items = evaluate.read_labeled(args.labeled, engine.catalog)
-    scored = evaluate.score(engine, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"))
+    scored = evaluate.score(engine, items, bar=progress.bar(len(items) + sum(i.positive for i in items), "evaluating", not args.quiet))
     report = evaluate.report(engine, items, scored)
     if args.items:
         rows = evaluate.outcomes(items, scored)
@@ -279,7 +274,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
     if args.out_of_fold:
         from .store import open_store
 
-        say = None if args.json else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
+        say = None if args.quiet else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
         fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
         if args.json:
             _print_json({"screen": cfg.cascade.screen, "main": cfg.model.name, "out_of_fold": True, "max_loss": args.max_loss, "cutoff": fit})
@@ -288,8 +283,8 @@ def cmd_cascade(args: argparse.Namespace) -> int:
                                                 f"picks thresholds: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
             print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
         return 0
-    engine = Sidecar.open(cfg, catalog=cat, progress=not args.json, history=False)
-    with _progress_bar(2 * len(items), "judging with both models", not args.json) as bar:
+    engine = Sidecar.open(cfg, catalog=cat, progress=not args.quiet, history=False)
+    with progress.bar(2 * len(items), "judging with both models", not args.quiet) as bar:
         report = cascade.measure(engine, items, args.max_loss, args.reject_below, bar.update)
     if args.json:
         _print_json(report)
@@ -320,7 +315,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
-                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start,
+                      progress=None if args.quiet else progress.note, l2_embedding=args.l2_embedding, start=args.start,
                       absent_share=args.absent_share)  # fmt: skip
     if args.out:
         tune.write_calibration(fitted, args.out)
@@ -355,10 +350,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
         conversations = replay.read_transcripts(args.transcripts, catalog_mod.load(cfg.catalogs) if cfg.catalogs else None)
     else:
-        engine = Sidecar.open(cfg, progress=not args.json)
+        engine = Sidecar.open(cfg, progress=not args.quiet)
         conversations = replay.read_transcripts(args.transcripts, engine.catalog)
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
-    with _progress_bar(total, "replaying") as bar:
+    with progress.bar(total, "replaying", not args.quiet) as bar:
         if args.url:
             try:
                 detections, summary = asyncio.run(replay.replay_url(args.url, conversations, token=cfg.server.token, on_message=lambda: bar.update(1)))
