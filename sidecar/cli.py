@@ -13,13 +13,12 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from . import __version__, models, progress
+from . import __version__, models, output, progress
 from . import config as config_mod
 from .calibration import CalibrationError
 from .catalog import CatalogError
 from .config import ConfigError
 from .embed import EmbedError
-from .gate import Decision
 from .patterns import PatternError
 from .store import StoreError
 
@@ -68,12 +67,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
         pipe = engine.pipeline
-        out = msgspec.to_builtins(judged.decision)
-        out.update(inject=[{"tool": r.tool, "score": r.score, "why": r.why} for r in injected], model=pipe.embedder.name,
-                   thresholds=msgspec.to_builtins(pipe.thresholds), thresholds_origin=pipe.thresholds_origin)  # fmt: skip
-        _print_json(out)
+        _print_json(output.detected(judged.decision, injected, pipe.embedder.name, pipe.thresholds, pipe.thresholds_origin))
     else:
-        print(describe(judged.decision, [r.tool for r in injected]))
+        print(output.describe(judged.decision, injected))
     return 0
 
 
@@ -88,12 +84,11 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     engine = Sidecar.open(_config(args), progress=not args.quiet)
     rec = engine.rank(Request(query), args.top, context=Context(agent=args.agent), mode=args.mode)
     if args.json:
-        out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
-        _print_json(out)
+        _print_json({"query": rec.query, "results": output.recommended(rec.results)})
         return 0
     print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
     for i, r in enumerate(rec.results, 1):
-        print(f"{i:>2}. {r.tool}  {r.score:.3f}\n    {r.why}")
+        print(f"{i:>2}. {r.tool}  relevance {r.score:.3f}\n    {r.why}")
     for name, reason in list(rec.excluded.items())[:5]:
         print(f"    (left out {name}: {reason})")
     return 0
@@ -201,25 +196,6 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     store = open_store(settings.store)
     http = (args.host, args.port) if args.http else None
     return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=lambda m: print(f"sidecar: {m}", file=sys.stderr, flush=True)))
-
-
-def describe(d: Decision, injected: Sequence[str] = ()) -> str:
-    """A short human answer: what fired and what is injected (or why nothing is), the
-    runners-up, the time."""
-    t = d.timing_ms
-    timing = f"{t.total:.1f} ms (regex {t.regex:.2f}, embed {t.embed:.1f}, cosine {t.cosine:.2f})"
-    if d.kind == "negative":
-        head = f"silent: blocked by {d.path} ({d.trigger.text!r})" if d.trigger else f"silent: blocked by {d.path}"
-        return f"{head}\n  {timing}"
-    if d.fired:
-        head = f"{d.tier}: {', '.join(injected) or d.tool}  score {d.score:.3f} >= {d.threshold:.2f} via {d.path}\n  matched {d.case!r}"
-    elif d.tool:
-        why = f"below {d.threshold:.2f}" if d.score is not None and d.score < (d.threshold or 0) else "below the confirm tier"
-        head = f"silent: best {d.tool} scored {d.score:.3f}, {why} ({d.path})"
-    else:
-        head = "silent: the catalog is empty"
-    others = ", ".join(f"{c.tool} {c.score:.3f}" for c in d.candidates[1:4])
-    return head + (f"\n  next: {others}" if others else "") + (" [text truncated to the model's limit]" if d.truncated else "") + f"\n  {timing}"
 
 
 def _writable(path: str | None) -> None:
@@ -453,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
     p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
     p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default: the config's recommend.mode, semantic)")
-    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "score", "why", "factors"}]}')
+    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "why", "factors"}]}')
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 

@@ -131,9 +131,12 @@ def tokens(text: str) -> list[str]:
 
 
 def describe(msg: p.Inject) -> str:
-    tools = ", ".join(f"{t.definition['name']} ({t.score:.2f})" for t in msg.tools)
+    """One inject as a line: the gate's probability beside the tier, each tool's relevance
+    beside its name (two scales, never shown under one name)."""
+    tools = ", ".join(f"{t.definition['name']} (relevance {t.relevance:.2f})" for t in msg.tools)
+    gate = f", probability {msg.probability:.2f}" if msg.probability is not None else ""
     t = msg.trigger
-    return f"inject [{msg.tier}] {tools} after {t.text!r} [{t.start}:{t.end}] via {t.path} in {msg.latency_ms:.1f} ms"
+    return f"inject [{msg.tier}{gate}] {tools}; trigger {t.text!r} [{t.start}:{t.end}] via {t.path}, in {msg.latency_ms:.1f} ms"
 
 
 async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | None = None, out=print) -> list[p.Inject]:

@@ -142,7 +142,7 @@ class Connection:
         if self.outbox.qsize() >= self.cap:
             self._too_slow(f"{self.outbox.qsize()} messages queued")
             return
-        self.outbox.put_nowait(p.encode(msg))
+        self.outbox.put_nowait(p.encode_for(msg, self.session.version))
         kind = type(msg).__struct_config__.tag
         self.metrics.frames.labels("out", kind).inc()
         if isinstance(msg, p.Error):
@@ -379,8 +379,9 @@ class SidecarServer:
             conn.send(p.Error("internal", f"{type(e).__name__}: {e}", getattr(msg, "ref", None)))
 
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
-        if msg.version is not None and msg.version != p.VERSION:
-            raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol version {p.VERSION}, not {msg.version}")
+        if msg.version is not None and msg.version not in p.VERSIONS:
+            spoken = ", ".join(map(str, p.VERSIONS))
+            raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol versions {spoken}, not {msg.version}")
         if conn.session.hello is not None:
             raise p.ProtocolError("hello_again", "this connection already said hello")
         base = self.engine
@@ -392,7 +393,7 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
-        conn.send(p.Ready(version=p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
+        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
 
     async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """A session catalog's engine, built on the model thread and shared by sessions that
@@ -574,7 +575,8 @@ def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
     """The `decision` message for a session that opted in."""
     latency = (time.perf_counter() - ev.received) * 1000
     return p.DecisionReport(stream=ev.stream.id, source=ev.source, text=ev.text, start=ev.start, end=ev.end, reason=ev.reason,
-                            fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, score=d.score, latency_ms=round(latency, 2))  # fmt: skip
+                            fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, probability=d.probability,
+                            latency_ms=round(latency, 2))  # fmt: skip
 
 
 async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None) -> int:

@@ -105,6 +105,11 @@ class Session:
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
         self._open = 0
 
+    @property
+    def version(self) -> int | None:
+        """The protocol version the hello asked for (None: no hello yet, or it named none: the current one)."""
+        return self.hello.version if self.hello is not None else None
+
     def start(self, hello: Hello, scope: Scope) -> None:
         if self.hello is not None:
             raise ProtocolError("hello_again", "this connection already said hello")
@@ -227,7 +232,7 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     for r in picks:
         tool = ev.scope.catalog.get(r.tool)
         if tool is not None and r.tool not in ev.stream.injected and tool.server not in down:
-            tools.append(InjectedTool(tool.definition(), r.score, r.why))
+            tools.append(InjectedTool(tool.definition(), relevance=r.score, why=r.why))
     if not tools:
         return None
     ev.stream.injected.update(t.definition["name"] for t in tools)
@@ -236,7 +241,7 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
     trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
     latency = (time.perf_counter() - ev.received) * 1000
-    return Inject(stream=ev.stream.id, tier=d.tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
+    return Inject(stream=ev.stream.id, tier=d.tier, probability=d.probability, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
 
 
 def context_of(hello: Hello) -> Context:

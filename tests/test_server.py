@@ -157,7 +157,8 @@ def test_a_reply_streamed_character_by_character_gets_its_inject_before_end(pipe
             assert inj.stream == "r1" and inj.tier in ("auto", "confirm")
             best = inj.tools[0]
             assert best.definition == pipe.catalog.get("semantic_search").definition()
-            assert 0.0 < best.score <= 1.0 and best.why  # the recommender's score, not the gate's probability
+            assert 0.0 < best.relevance <= 1.0 and best.why  # the recommender's score ...
+            assert 0.0 <= inj.probability <= 1.0  # ... beside the gate's probability
             t = inj.trigger
             assert t.path.startswith("high:")
             assert 0 <= t.start < t.end <= len(SEARCH) and reply[t.start:t.end] == t.text
@@ -237,8 +238,8 @@ def test_inject_tools_are_the_recommenders_within_the_hello_permissions(small):
                 [inj] = [m for m in msgs if isinstance(m, p.Inject)]
                 ranked = srv.engine.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
                 close = [r for r in ranked if r.score >= ranked[0].score - srv.limits.inject_margin]
-                assert [(t.definition["name"], t.score, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
-                assert inj.tier == msgs[-1].tier  # the gate's
+                assert [(t.definition["name"], t.relevance, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
+                assert (inj.tier, inj.probability) == (msgs[-1].tier, msgs[-1].probability)  # the gate's
             async with await SidecarClient.connect(srv.url, session="perm", permissions=["*_note"], decisions=True) as sc:
                 await sc.user("u", SEARCH)
                 msgs = await decisions(sc, 1)
@@ -717,8 +718,37 @@ def test_example_client_streams_a_reply_and_prints_the_injection(small):
 
     code, out, err = run(body())
     assert code == 0, err
-    assert re.search(r"^inject \[(auto|confirm)\] semantic_search", out, re.MULTILINE), out
+    assert re.search(r"^inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)", out, re.MULTILINE), out
     assert "1 inject(s)" in out
+
+
+def test_a_version_1_client_gets_the_field_names_of_version_1(small):
+    """Protocol 2 named the scores apart (docs/protocol.md, "Versions"): a hello that says
+    version 1 still gets `score` where version 2 says `relevance` (a tool's) and `probability`
+    (the gate's); a hello without a version speaks the current one."""
+
+    async def exchange(url: str, hello: dict) -> dict[str, dict]:
+        async with websockets.connect(url) as ws:
+            got = {"ready": await raw_exchange(ws, json.dumps({"type": "hello", "decisions": True, **hello}))}
+            await ws.send(json.dumps({"type": "user", "stream": "u", "text": SEARCH}))
+            while "decision" not in got:
+                m = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+                got[m["type"]] = m
+            return got
+
+    async def body():
+        async with serving(small) as srv:
+            return [await exchange(srv.url, hello) for hello in
+                    ({"session": "v1", "version": 1}, {"session": "v2", "version": 2}, {"session": "unversioned"})]  # fmt: skip
+
+    v1, v2, unversioned = run(body())
+    assert [f["ready"]["version"] for f in (v1, v2, unversioned)] == [1, 2, p.VERSION] and p.VERSION == 2
+    t1, t2 = v1["inject"]["tools"], v2["inject"]["tools"]
+    assert [(t["definition"], t["score"]) for t in t1] == [(t["definition"], t["relevance"]) for t in t2]
+    assert not any("relevance" in t for t in t1) and not any("score" in t for t in t2)
+    assert "probability" not in v1["decision"] and v1["decision"]["score"] == v2["decision"]["probability"]
+    assert "score" not in v2["decision"] and v2["inject"]["probability"] == v2["decision"]["probability"]
+    assert set(unversioned["inject"]) == set(v2["inject"])
 
 
 def test_protocol_examples_in_the_docs_decode():
