@@ -130,13 +130,18 @@ def tokens(text: str) -> list[str]:
     return re.findall(r"\s*\S+\s*|\s+", text) if text else []
 
 
-def describe(msg: p.Inject) -> str:
+def describe(msg: p.Inject, length: int | None = None) -> str:
     """One inject as a line: the gate's probability beside the tier, each tool's relevance
-    beside its name (two scales, never shown under one name)."""
+    beside its name (two scales, never shown under one name), where the trigger was and when
+    the inject was sent, which differ: a short reply's only clause is judged at its `end`.
+    `length`: the whole stream's, to say "end of stream"."""
     tools = ", ".join(f"{t.definition['name']} (relevance {t.relevance:.2f})" for t in msg.tools)
     gate = f", probability {msg.probability:.2f}" if msg.probability is not None else ""
     t = msg.trigger
-    return f"inject [{msg.tier}{gate}] {tools}; trigger {t.text!r} [{t.start}:{t.end}] via {t.path}, in {msg.latency_ms:.1f} ms"
+    sent = f"sent at {msg.sent_at}"
+    if length is not None:
+        sent += " (end of stream)" if msg.sent_at >= length else f" of {length}"
+    return f"inject [{msg.tier}{gate}] {tools}; trigger {t.text!r} [{t.start}:{t.end}] via {t.path}, {sent}, in {msg.latency_ms:.1f} ms"
 
 
 async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | None = None, out=print) -> list[p.Inject]:
@@ -150,7 +155,7 @@ async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | 
             async for msg in sc:
                 if isinstance(msg, p.Inject):
                     injects.append(msg)
-                    out(describe(msg))
+                    out(describe(msg, len(text)))
                 elif isinstance(msg, p.Error):
                     out(f"error {msg.code}: {msg.message}")
                 elif isinstance(msg, p.Ended):

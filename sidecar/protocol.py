@@ -122,7 +122,11 @@ class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True):
     tier: Literal["auto", "confirm"]
     probability: float | None  # the gate's P(the span needs a tool); None: the model has no gate head
     tools: list[InjectedTool]
-    trigger: TriggerInfo
+    trigger: TriggerInfo  # where in the stream the decision came from
+    # When it was sent: the code points of the stream the sidecar had received by then (a user
+    # turn: all of it). A short reply's only clause is judged at `end`: its trigger may be
+    # [0:13] while the inject came at 58, the end of the stream.
+    sent_at: int
     latency_ms: float  # from the frame that completed the span to this message
 
 

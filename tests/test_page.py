@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import socket
 import sqlite3
 
@@ -102,12 +103,18 @@ def test_a_reply_streamed_from_the_page_gets_inject_cards_and_a_confirm_is_store
 
             await send(page, "User turn", TURN)
             await page.wait_for_selector('.card[data-tools~="read_note"]', timeout=WAIT_MS)
+            # where the trigger was, and when the inject came: a user turn arrives whole
+            assert await page.text_content('.card[data-tools~="read_note"] .sent') == f"sent at {len(TURN)} (end of stream)"
+            assert (await page.text_content('.card[data-tools~="read_note"] .relevance')).startswith("relevance ")
+            assert (await page.text_content('.card[data-tools~="read_note"] .prob')).startswith("probability ")
 
             await send(page, "Assistant reply", REPLY)
             await page.fill("#rate", "40")  # the rest of the reply at 40 tokens/s
             card = page.locator('.card[data-tier="auto"][data-tools~="semantic_search"]')
             await card.wait_for(timeout=WAIT_MS)
             assert "call semantic_search" in await card.locator(".trigger q").text_content()
+            sent = int(re.fullmatch(r"sent at (\d+)(?: \(end of stream\))?", await card.locator(".sent").text_content()).group(1))
+            assert REPLY.index("setup. ") + len("setup. ") <= sent <= len(REPLY)  # once the clause's boundary was confirmed
             # the judged spans are painted in the streamed text, the trigger within them
             reply = page.locator(".turn", has_text="reply-")
             await reply.locator(".state", has_text="judged").wait_for(timeout=WAIT_MS)

@@ -203,6 +203,34 @@ def test_user_turn_is_judged_whole(small):
     run(body())
 
 
+SHORT = "Let me search my notes for the kubernetes setup"  # one clause, no boundary: judged at `end`
+
+
+def test_an_inject_says_when_it_was_sent_as_well_as_where_its_trigger_was(small):
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="when") as sc:
+            for piece in tokens(SEARCH + " "):  # the space after the period confirms the boundary
+                await sc.token("r1", piece)
+            [*_, early] = await until(sc, lambda m: isinstance(m, p.Inject))  # before the rest is sent
+            await sc.token("r1", "Then I will tell you what it says.")
+            await sc.end("r1")
+            await until(sc, lambda m: isinstance(m, p.Ended))
+            for piece in tokens(SHORT):
+                await sc.token("r2", piece)
+            await sc.end("r2")
+            [late] = [m for m in await until(sc, lambda m: isinstance(m, p.Ended)) if isinstance(m, p.Inject)]
+            await sc.user("u", "  " + SHORT + " ")
+            await sc.end("u")
+            [turn] = [m for m in await until(sc, lambda m: isinstance(m, p.Ended)) if isinstance(m, p.Inject)]
+            return early, late, turn
+
+    early, late, turn = run(body())
+    assert early.trigger.end <= len(SEARCH) and early.sent_at == len(SEARCH) + 1  # at the clause's boundary
+    assert late.trigger.end < late.sent_at == len(SHORT)  # the trigger is early in it, the inject came at the end
+    assert late.trigger.text == SHORT[late.trigger.start : late.trigger.end]
+    assert turn.sent_at == len("  " + SHORT + " ")  # a user turn arrives whole
+
+
 def test_ended_comes_after_every_decision_of_its_stream_even_when_they_are_dropped(small):
     reply = SEARCH + " Ok, that is all"
     clauses = " ".join(f"Clause number {i} is here." for i in range(6)) + " "
@@ -720,6 +748,24 @@ def test_example_client_streams_a_reply_and_prints_the_injection(small):
     assert code == 0, err
     assert re.search(r"^inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)", out, re.MULTILINE), out
     assert "1 inject(s)" in out
+
+
+def test_example_client_says_where_the_trigger_was_and_when_the_inject_came(small):
+    async def body():
+        async with serving(small) as srv:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sidecar.client", srv.url, SHORT, "--rate", "200",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = run(body())
+    assert code == 0, err
+    found = re.search(r"^inject .*; trigger '(.+)' \[(\d+):(\d+)\] via \S+, sent at (\d+) \(end of stream\), in ", out, re.MULTILINE)
+    assert found, out
+    text, start, end, sent = found.group(1), *map(int, found.groups()[1:])
+    assert SHORT[start:end] == text and end < sent == len(SHORT)
 
 
 def test_a_version_1_client_gets_the_field_names_of_version_1(small):
