@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 
@@ -748,6 +749,44 @@ def test_example_client_streams_a_reply_and_prints_the_injection(small):
     assert code == 0, err
     assert re.search(r"^inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)", out, re.MULTILINE), out
     assert "1 inject(s)" in out
+
+
+def test_example_client_sends_a_user_turn_whole(small):
+    """`python -m sidecar.client URL --user TEXT`: a `user` frame, judged whole; with a reply
+    too, the turn first, then the reply streamed token by token."""
+
+    async def client(url: str, *args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar.client", url, *args, "--rate", "200",
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+        return proc.returncode, out.decode(), err.decode()
+
+    def frames(srv, kind: str) -> float:
+        return srv.metrics.value("sidecar_frames_total", direction="in", type=kind)
+
+    async def body():
+        async with serving(small) as srv:
+            alone = await client(srv.url, "--user", SHORT)
+            counted = frames(srv, "user"), frames(srv, "token")
+            both = await client(srv.url, "--user", "what a lovely morning it is today", SAVE)
+            return alone, counted, both, frames(srv, "user"), frames(srv, "token")
+
+    (code, out, err), counted, (code2, out2, err2), users, deltas = run(body())
+    assert code == 0, err
+    assert counted == (1, 0)  # one user turn, no tokens
+    lines = out.splitlines()
+    assert lines[0].startswith("connected: model all-minilm-l6-v2") and lines[-1] == "1 inject(s)"
+    assert re.fullmatch(rf"inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)(, .+)?; "
+                        rf"trigger '.+' \[\d+:\d+\] via \S+, sent at {len(SHORT)} \(end of stream\), in [\d.]+ ms", lines[1]), out  # fmt: skip
+    assert code2 == 0, err2
+    assert users == 2 and deltas == len(tokens(SAVE))  # the turn whole, then the reply token by token
+    assert out2.splitlines()[-1] == "1 inject(s)" and re.search(r"^inject .*\] create_note ", out2, re.MULTILINE), out2
+
+
+def test_example_client_refuses_an_empty_user_turn():
+    done = subprocess.run([sys.executable, "-m", "sidecar.client", "ws://127.0.0.1:9", "--user", "  "], capture_output=True, text=True,
+                          cwd=ROOT, timeout=WAIT_S)  # fmt: skip
+    assert done.returncode == 2 and "--user needs some text" in done.stderr
 
 
 def test_example_client_says_where_the_trigger_was_and_when_the_inject_came(small):
