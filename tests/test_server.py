@@ -656,8 +656,8 @@ def test_token_auth_and_origin_allowlist(small):
 
 
 async def _serve(tmp_path, *extra: str):
-    """Kept only for tests/test_hardening.py and tests/test_page.py, which import it: new tests
-    use conftest.serve_process (this copy goes once those two move to it)."""
+    """Kept only for tests/test_hardening.py, which imports it: new tests use
+    conftest.serve_process (this copy goes once that one moves to it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", SMALL, "--catalog", str(NOTES),
