@@ -370,7 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not cfg.catalogs and live is None:
         announce("no catalog given: sessions bring their tools in hello.tools")
-    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live))
+    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:

@@ -579,11 +579,28 @@ def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
                             latency_ms=round(latency, 2))  # fmt: skip
 
 
-async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None) -> int:
+def listening(server: SidecarServer) -> str:
+    """The start-up line: where it listens and what it serves: the model, the tools and where
+    they came from (catalog files, live MCP servers), and the store its history goes to (a
+    SQLite file, or a PostgreSQL URL without its password), so a newcomer sees which of
+    several stores and catalogs this process uses."""
+    pipe = server.engine.pipeline
+    sources = [str(c) for c in server.cfg.catalogs or ()]
+    if server.live is not None:
+        up = sum(st.state == "connected" for st in server.live.manager.status())
+        sources.append(f"MCP servers {', '.join(server.mcp.servers)} ({up} of {len(server.mcp.servers)} connected)")
+    tools = f"{len(pipe.catalog)} tools from {' and '.join(sources)}" if sources else "no tools of its own: sessions bring theirs"
+    store = server.store.location if server.store is not None else "none"
+    return (f"listening on {server.url} (model {pipe.embedder.name}, {tools}, store {store}, "
+            f"loaded in {server.metrics.load_seconds:.1f} s)")  # fmt: skip
+
+
+async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None, progress: bool = True) -> int:
     """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
-    Returns the exit status (2 when the model or index cannot be loaded)."""
+    Returns the exit status (2 when the model or index cannot be loaded). `progress`: bars on
+    stderr while the catalog is indexed."""
     pin_mmap_threshold()  # a long-running process: big freed buffers go back to the OS (issue 13)
-    server = SidecarServer(cfg, catalog=catalog, store=store, progress=True, mcp=mcp)
+    server = SidecarServer(cfg, catalog=catalog, store=store, progress=progress, mcp=mcp)
     await server.start()  # binds (so /healthz can say 503 while loading), then loads
     announce(f"loading {cfg.model.name}")
     loop = asyncio.get_running_loop()
@@ -598,13 +615,7 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
         announce(f"error: {server.load_error}")
         status = 2
     elif server.engine is not None:  # only now, with everything loaded, does it say where it listens
-        pipe = server.engine.pipeline
-        live = ""
-        if server.live is not None:
-            up = sum(st.state == "connected" for st in server.live.manager.status())
-            live = f", {up} of {len(mcp.servers)} MCP server(s) connected"
-        announce(f"listening on {server.url} (model {pipe.embedder.name}, {len(pipe.catalog)} tools{live}, "
-                 f"loaded in {server.metrics.load_seconds:.1f} s)")  # fmt: skip
+        announce(listening(server))
         await stopping
     announce("shutting down")
     await server.shutdown()

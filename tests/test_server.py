@@ -24,6 +24,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from sidecar import catalog as catalog_mod
 from sidecar import config as config_mod
 from sidecar import models
 from sidecar import protocol as p
@@ -686,6 +687,20 @@ async def _drain(stream, lines: list[str]) -> None:
 def serve_args(tmp_path) -> list[str]:
     """`sidecar serve` on the small model and notes.json, its store in tmp_path."""
     return ["--model", SMALL, "--catalog", str(NOTES), "--store", str(tmp_path / "serve.db")]
+
+
+def test_the_startup_line_names_the_model_the_catalogs_and_the_store(tmp_path):
+    """No --store: the default file in the XDG data dir, which the line names (a newcomer with
+    several stores, or a PostgreSQL one, sees which this process writes to)."""
+    catalogs = [NOTES, CATALOGS / "time.json"]
+    args = ["--model", SMALL, *(a for c in catalogs for a in ("--catalog", str(c)))]
+    env = {"XDG_DATA_HOME": str(tmp_path / "data"), "SIDECAR_STORE": None, "SIDECAR_CONFIG": None}
+    with serve_process(args, tmp_path, env=env) as served:
+        [line] = [ln for ln in served.log_text().splitlines() if "listening on" in ln]
+    tools = len(catalog_mod.load(catalogs))
+    assert re.fullmatch(rf"sidecar: listening on {re.escape(served.url)} \(model {SMALL}, {tools} tools from {re.escape(str(NOTES))} and "
+                        rf"{re.escape(str(catalogs[1]))}, store {re.escape(str(tmp_path / 'data' / 'sidecar' / 'sidecar.db'))}, "
+                        rf"loaded in [\d.]+ s\)", line), line  # fmt: skip
 
 
 def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
