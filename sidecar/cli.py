@@ -13,13 +13,12 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from . import __version__, models
+from . import __version__, models, output, progress
 from . import config as config_mod
 from .calibration import CalibrationError
 from .catalog import CatalogError
 from .config import ConfigError
 from .embed import EmbedError
-from .gate import Decision
 from .patterns import PatternError
 from .store import StoreError
 
@@ -34,6 +33,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
     p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (loading, indexing, judging)")
 
 
 def _print_json(obj: object) -> None:
@@ -62,17 +62,14 @@ def cmd_detect(args: argparse.Namespace) -> int:
     text = " ".join(args.text) if args.text else sys.stdin.read()
     if not text.strip():
         raise ValueError("no text to judge: pass TEXT or pipe it on stdin")
-    engine = Sidecar.open(_config(args), progress=not args.json)
+    engine = Sidecar.open(_config(args), progress=not args.quiet)
     [judged] = engine.judge([Request(text, args.source)])
     injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
         pipe = engine.pipeline
-        out = msgspec.to_builtins(judged.decision)
-        out.update(inject=[{"tool": r.tool, "score": r.score, "why": r.why} for r in injected], model=pipe.embedder.name,
-                   thresholds=msgspec.to_builtins(pipe.thresholds), thresholds_origin=pipe.thresholds_origin)  # fmt: skip
-        _print_json(out)
+        _print_json(output.detected(judged.decision, injected, pipe.embedder.name, pipe.thresholds, pipe.thresholds_origin))
     else:
-        print(describe(judged.decision, [r.tool for r in injected]))
+        print(output.describe(judged.decision, injected))
     return 0
 
 
@@ -84,15 +81,14 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     query = " ".join(args.query) if args.query else sys.stdin.read()
     if not query.strip():
         raise ValueError("no query: pass QUERY or pipe it on stdin")
-    engine = Sidecar.open(_config(args), progress=not args.json)
+    engine = Sidecar.open(_config(args), progress=not args.quiet)
     rec = engine.rank(Request(query), args.top, context=Context(agent=args.agent), mode=args.mode)
     if args.json:
-        out = {"query": rec.query, "results": [{"tool": r.tool, "score": r.score, "why": r.why, "factors": r.factors} for r in rec.results]}
-        _print_json(out)
+        _print_json({"query": rec.query, "results": output.recommended(rec.results)})
         return 0
     print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
     for i, r in enumerate(rec.results, 1):
-        print(f"{i:>2}. {r.tool}  {r.score:.3f}\n    {r.why}")
+        print(f"{i:>2}. {r.tool}  relevance {r.score:.3f}\n    {r.why}")
     for name, reason in list(rec.excluded.items())[:5]:
         print(f"    (left out {name}: {reason})")
     return 0
@@ -103,7 +99,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from .recommend import learn
 
     cfg = _config(args)
-    engine = Sidecar.open(cfg, progress=not args.json)
+    engine = Sidecar.open(cfg, progress=not args.quiet)
     rows = engine.history.feedback()
     samples = learn.samples_from_feedback(engine.recommender, rows)
     if not samples:
@@ -202,31 +198,6 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=lambda m: print(f"sidecar: {m}", file=sys.stderr, flush=True)))
 
 
-def describe(d: Decision, injected: Sequence[str] = ()) -> str:
-    """A short human answer: what fired and what is injected (or why nothing is), the
-    runners-up, the time."""
-    t = d.timing_ms
-    timing = f"{t.total:.1f} ms (regex {t.regex:.2f}, embed {t.embed:.1f}, cosine {t.cosine:.2f})"
-    if d.kind == "negative":
-        head = f"silent: blocked by {d.path} ({d.trigger.text!r})" if d.trigger else f"silent: blocked by {d.path}"
-        return f"{head}\n  {timing}"
-    if d.fired:
-        head = f"{d.tier}: {', '.join(injected) or d.tool}  score {d.score:.3f} >= {d.threshold:.2f} via {d.path}\n  matched {d.case!r}"
-    elif d.tool:
-        why = f"below {d.threshold:.2f}" if d.score is not None and d.score < (d.threshold or 0) else "below the confirm tier"
-        head = f"silent: best {d.tool} scored {d.score:.3f}, {why} ({d.path})"
-    else:
-        head = "silent: the catalog is empty"
-    others = ", ".join(f"{c.tool} {c.score:.3f}" for c in d.candidates[1:4])
-    return head + (f"\n  next: {others}" if others else "") + (" [text truncated to the model's limit]" if d.truncated else "") + f"\n  {timing}"
-
-
-def _progress_bar(total: int, desc: str, enabled: bool = True):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, disable=not enabled, leave=False)
-
-
 def _writable(path: str | None) -> None:
     """Refuse an output path that cannot be written before any work is done (a model load, a
     fit), rather than after it; the file itself is only written once there is something to write."""
@@ -247,9 +218,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .engine import Sidecar
 
     _writable(args.items)
-    engine = Sidecar.open(_config(args), progress=True, history=False)  # a labelled set has no call history
+    engine = Sidecar.open(_config(args), progress=not args.quiet, history=False)  # a labelled set has no call history
     items = evaluate.read_labeled(args.labeled, engine.catalog)
-    scored = evaluate.score(engine, items, bar=_progress_bar(len(items) + sum(i.positive for i in items), "evaluating"))
+    scored = evaluate.score(engine, items, bar=progress.bar(len(items) + sum(i.positive for i in items), "evaluating", not args.quiet))
     report = evaluate.report(engine, items, scored)
     if args.items:
         rows = evaluate.outcomes(items, scored)
@@ -279,7 +250,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
     if args.out_of_fold:
         from .store import open_store
 
-        say = None if args.json else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
+        say = None if args.quiet else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
         fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
         if args.json:
             _print_json({"screen": cfg.cascade.screen, "main": cfg.model.name, "out_of_fold": True, "max_loss": args.max_loss, "cutoff": fit})
@@ -288,8 +259,8 @@ def cmd_cascade(args: argparse.Namespace) -> int:
                                                 f"picks thresholds: settles at most {args.max_loss:.1%} of the positives the main model fires on"))
             print(f'[cascade]\nscreen = "{cfg.cascade.screen}"\nreject_below = {fit.reject_below:.4f}')
         return 0
-    engine = Sidecar.open(cfg, catalog=cat, progress=not args.json, history=False)
-    with _progress_bar(2 * len(items), "judging with both models", not args.json) as bar:
+    engine = Sidecar.open(cfg, catalog=cat, progress=not args.quiet, history=False)
+    with progress.bar(2 * len(items), "judging with both models", not args.quiet) as bar:
         report = cascade.measure(engine, items, args.max_loss, args.reject_below, bar.update)
     if args.json:
         _print_json(report)
@@ -320,7 +291,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     items = [i for path in args.labeled for i in read_labeled(path, cat)]
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
-                      progress=lambda m: print(f"sidecar: {m}", file=sys.stderr), l2_embedding=args.l2_embedding, start=args.start,
+                      progress=None if args.quiet else progress.note, l2_embedding=args.l2_embedding, start=args.start,
                       absent_share=args.absent_share)  # fmt: skip
     if args.out:
         tune.write_calibration(fitted, args.out)
@@ -355,10 +326,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
         conversations = replay.read_transcripts(args.transcripts, catalog_mod.load(cfg.catalogs) if cfg.catalogs else None)
     else:
-        engine = Sidecar.open(cfg, progress=not args.json)
+        engine = Sidecar.open(cfg, progress=not args.quiet)
         conversations = replay.read_transcripts(args.transcripts, engine.catalog)
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
-    with _progress_bar(total, "replaying") as bar:
+    with progress.bar(total, "replaying", not args.quiet) as bar:
         if args.url:
             try:
                 detections, summary = asyncio.run(replay.replay_url(args.url, conversations, token=cfg.server.token, on_message=lambda: bar.update(1)))
@@ -399,7 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not cfg.catalogs and live is None:
         announce("no catalog given: sessions bring their tools in hello.tools")
-    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live))
+    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
 
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
@@ -458,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
     p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
     p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default: the config's recommend.mode, semantic)")
-    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "score", "why", "factors"}]}')
+    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "why", "factors"}]}')
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 

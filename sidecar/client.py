@@ -8,10 +8,11 @@
 `connect` retries while the sidecar answers 503 (still loading the model), then says hello
 and waits for `ready`.
 
-Run as a module, it is the example client: it streams a reply token by token and prints
-the injections as they arrive:
+Run as a module, it is the example client: it streams a reply token by token, or sends a
+user turn whole (`--user`), and prints the injections as they arrive:
 
     python -m sidecar.client ws://127.0.0.1:8765 "Let me search my notes for the kubernetes setup. Done."
+    python -m sidecar.client ws://127.0.0.1:8765 --user "Where did I put the kubernetes setup?"
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -130,48 +131,85 @@ def tokens(text: str) -> list[str]:
     return re.findall(r"\s*\S+\s*|\s+", text) if text else []
 
 
-def describe(msg: p.Inject) -> str:
-    tools = ", ".join(f"{t.definition['name']} ({t.score:.2f})" for t in msg.tools)
+def describe(msg: p.Inject, length: int | None = None) -> str:
+    """One inject as a line: the gate's probability beside the tier, each tool's relevance
+    beside its name (two scales, never shown under one name), where the trigger was and when
+    the inject was sent, which differ: a short reply's only clause is judged at its `end`.
+    `length`: the whole stream's, to say "end of stream"."""
+    tools = ", ".join(f"{t.definition['name']} (relevance {t.relevance:.2f})" for t in msg.tools)
+    gate = f", probability {msg.probability:.2f}" if msg.probability is not None else ""
     t = msg.trigger
-    return f"inject [{msg.tier}] {tools} after {t.text!r} [{t.start}:{t.end}] via {t.path} in {msg.latency_ms:.1f} ms"
+    sent = f"sent at {msg.sent_at}"
+    if length is not None:
+        sent += " (end of stream)" if msg.sent_at >= length else f" of {length}"
+    return f"inject [{msg.tier}{gate}] {tools}; trigger {t.text!r} [{t.start}:{t.end}] via {t.path}, {sent}, in {msg.latency_ms:.1f} ms"
 
 
 async def stream_reply(url: str, text: str, *, rate: float = 20.0, token: str | None = None, out=print) -> list[p.Inject]:
     """Stream `text` as one LLM reply at `rate` tokens/s, print each inject as it arrives,
     and return them once the sidecar has judged the reply's last span."""
+    return await converse(url, reply=text, rate=rate, token=token, out=out)
+
+
+async def converse(url: str, *, user: str | None = None, reply: str | None = None, rate: float = 20.0, token: str | None = None,
+                   out=print) -> list[p.Inject]:  # fmt: skip
+    """Send `user` as a whole user turn (stream "turn"), then stream `reply` as the LLM's at
+    `rate` tokens/s (stream "reply"), each judged to its `ended`; print each inject as it
+    arrives and return them all."""
     injects: list[p.Inject] = []
     async with await SidecarClient.connect(url, session="example", token=token) as sc:
         out(f"connected: model {sc.ready.model}, {len(sc.ready.tools)} tools")
+        if user is not None:
+            injects += await _exchange(sc, "turn", len(user), lambda: sc.user("turn", user), out)
+        if reply is not None:
 
-        async def read() -> None:
-            async for msg in sc:
-                if isinstance(msg, p.Inject):
-                    injects.append(msg)
-                    out(describe(msg))
-                elif isinstance(msg, p.Error):
-                    out(f"error {msg.code}: {msg.message}")
-                elif isinstance(msg, p.Ended):
-                    return  # every span of the reply is judged: nothing more will come
+            async def stream() -> None:
+                for piece in tokens(reply):
+                    await sc.token("reply", piece)
+                    await asyncio.sleep(1 / rate)
 
-        reader = asyncio.create_task(read())
-        for piece in tokens(text):
-            await sc.token("reply", piece)
-            await asyncio.sleep(1 / rate)
-        await sc.end("reply")
-        await reader
+            injects += await _exchange(sc, "reply", len(reply), stream, out)
+    return injects
+
+
+async def _exchange(sc: SidecarClient, stream: str, length: int, send: Callable[[], Awaitable[None]], out) -> list[p.Inject]:
+    """Send a stream's frames (`send`) and its `end`, reading meanwhile: print each inject (and
+    error) until the stream's `ended`, once every span of it is judged."""
+    injects: list[p.Inject] = []
+
+    async def read() -> None:
+        async for msg in sc:
+            if isinstance(msg, p.Inject):
+                injects.append(msg)
+                out(describe(msg, length))
+            elif isinstance(msg, p.Error):
+                out(f"error {msg.code}: {msg.message}")
+            elif isinstance(msg, p.Ended) and msg.stream == stream:
+                return
+
+    reader = asyncio.create_task(read())
+    await send()
+    await sc.end(stream)
+    await reader
     return injects
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sidecar.client", description="Stream a reply to a sidecar token by token and print the injections.")
+    ap = argparse.ArgumentParser(prog="python -m sidecar.client",
+                                 description="Send a user turn and/or stream a reply to a sidecar, and print the injections.")  # fmt: skip
     ap.add_argument("url", help="ws://HOST:PORT of a running `sidecar serve`")
-    ap.add_argument("text", nargs="*", help="the reply to stream (default: stdin)")
-    ap.add_argument("--rate", type=float, default=20.0, help="tokens per second (default 20)")
+    ap.add_argument("text", nargs="*", help="the reply to stream token by token (default: stdin, unless --user is given)")
+    ap.add_argument("--user", metavar="TEXT", help="send TEXT as a user turn, whole (before the reply, if one is given too)")
+    ap.add_argument("--rate", type=float, default=20.0, help="reply tokens per second (default 20)")
     ap.add_argument("--token", help="shared token, if the sidecar wants one")
-    args = ap.parse_args(argv)
-    text = " ".join(args.text) if args.text else sys.stdin.read()
+    args = ap.parse_intermixed_args(argv)  # the reply may come after --user TEXT
+    if args.user is not None and not args.user.strip():
+        ap.error("--user needs some text")
+    if args.rate <= 0:
+        ap.error(f"--rate must be positive, not {args.rate}")
+    reply = " ".join(args.text) if args.text else (None if args.user is not None else sys.stdin.read())
     try:
-        injects = asyncio.run(stream_reply(args.url, text, rate=args.rate, token=args.token))
+        injects = asyncio.run(converse(args.url, user=args.user, reply=reply, rate=args.rate, token=args.token))
     except (SidecarError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,7 +88,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     rejudge_unchanged: bool = False
     max_pending: int = 4096  # queued evaluations; beyond it the oldest are dropped
     stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
-    inject_margin: float = 0.05  # also inject runners-up within this score of the best
+    inject_margin: float = 0.05  # also inject runners-up within this relevance of the best
     max_inject_tools: int = 3
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this

@@ -71,7 +71,7 @@ class Thresholds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Candidate(msgspec.Struct, frozen=True):
     tool: str
-    score: float
+    score: float  # the ranker's blend of the tool's views of the text: shown as its "match"
     case: str  # the indexed text that matched best
 
 
@@ -113,6 +113,11 @@ class Route(msgspec.Struct, frozen=True):
 
 
 class Decision(msgspec.Struct, omit_defaults=False):
+    """The gate's verdict on one text. `score` is what the thresholds compared: the gate head's
+    probability that the text needs a tool (`probability`), or, with no head (an uncalibrated
+    model), the best candidate's match. Shown to people, the two are named apart: a
+    probability is never printed as a tool's score."""
+
     fired: bool  # passed its path's threshold and reached a tier: inject
     tier: Tier | None
     path: str
@@ -125,6 +130,7 @@ class Decision(msgspec.Struct, omit_defaults=False):
     source: str = "user"
     trigger: Trigger | None = None
     truncated: bool = False  # the text was longer than the model takes and was cut (explicitly)
+    probability: float | None = None  # the gate head's P(needs a tool); None: blocked, no candidates, or no head
 
     @property
     def kind(self) -> PathKind:
@@ -181,4 +187,5 @@ def decide(text: str, source: str, route: Route, candidates: list[Candidate], t:
     tier = tier_of(score, t) if fires([route.kind], np.array([score]), t, [best.tool])[0] else None
     if trigger is None:
         trigger = Trigger(text, 0, len(text))
-    return Decision(tier is not None, tier, route.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger)
+    return Decision(tier is not None, tier, route.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger,
+                    probability=None if confidence is None else score)  # fmt: skip

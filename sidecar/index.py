@@ -30,6 +30,7 @@ import numpy as np
 
 from . import __version__
 from . import cases as cases_mod
+from . import progress as progress_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
@@ -94,22 +95,25 @@ def primary_text(tool) -> str:
 
 
 def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind: Kind, batch: int = 64,
-                 persist: bool = True) -> tuple[dict[str, np.ndarray], int]:  # fmt: skip
+                 persist: bool = True, progress: str | None = None) -> tuple[dict[str, np.ndarray], int]:  # fmt: skip
     """Vectors of distinct texts, from the store's cache where it has them (keyed by the
     model's identity and the exact text embedded); the rest embedded in batches and cached
     (unless not `persist`: a client's own tools are not kept past its session).
     Returns (text -> vector, how many were embedded). A job of BULK_TEXTS or more runs on the
-    embedder's bulk threads (every core)."""
+    embedder's bulk threads (every core). `progress`: the label of a bar on stderr counting
+    the texts embedded (shown only when some are: a cached catalog loads silently)."""
     keys = {t: text_key(embedder.prefixed(t, kind)) for t in texts}
     cached = store.vectors(embedder.identity, set(keys.values())) if store else {}
     missing = [t for t in keys if keys[t] not in cached]
     bulk = len(missing) >= BULK_TEXTS
-    for lo in range(0, len(missing), batch):
-        chunk = missing[lo : lo + batch]
-        new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind, bulk).vectors)}
-        cached.update(new)
-        if store and persist:
-            store.put_vectors(embedder.identity, new)
+    with progress_mod.bar(len(missing), progress or "", bool(progress and missing), unit="text") as shown:
+        for lo in range(0, len(missing), batch):
+            chunk = missing[lo : lo + batch]
+            new = {keys[t]: v for t, v in zip(chunk, embedder.embed(chunk, kind, bulk).vectors)}
+            cached.update(new)
+            if store and persist:
+                store.put_vectors(embedder.identity, new)
+            shown.update(len(chunk))
     return {t: cached[k] for t, k in keys.items()}, len(missing)
 
 
@@ -227,9 +231,9 @@ def wants_classifier(catalog: Catalog) -> bool:
     return 2 <= n <= MAX_CLASSIFIER_TOOLS and own >= OWN_CASES_SHARE * n
 
 
-def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None) -> Classifier:
+def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None, progress: bool = False) -> Classifier:
     """The softmax classifier over the index's tools, fitted on every tool's rows and on the
-    `examples` asking for them (memoised)."""
+    `examples` asking for them (memoised). A fit takes seconds: `progress` says so on stderr."""
     none = (np.zeros((0, index.dim), np.float32), np.zeros(0, int))
     extra, labels = examples.rows_for(index.names) if examples is not None else none
     asked = hashlib.sha256(extra.tobytes() + labels.tobytes()).hexdigest()
@@ -238,6 +242,7 @@ def classifier_for(index: ToolIndex, model: str, examples: Examples | None = Non
         while len(_classifiers) >= 4:
             _classifiers.pop(next(iter(_classifiers)))
         rows, row_tool = np.vstack([index.matrix, extra]), np.concatenate([index.row_tool, labels])
+        progress_mod.note(f"fitting the classifier over {len(index.names)} tools' own cases ({len(rows)} texts)", progress)
         _classifiers[key] = ClassifierFit().fit(rows, row_tool, len(index.names))
     return _classifiers[key]
 
@@ -278,10 +283,12 @@ class ToolIndex:
         previous: ToolIndex | None = None,
         persist: bool = True,
         examples: Examples | None = None,
+        progress: bool = False,
     ) -> ToolIndex:
         """Index a catalog, embedding only texts neither `previous` nor the store has; with
         `persist`, what was embedded is kept in the store for the next start. `examples`:
-        labelled requests its classifier (if it fits one) learns from too."""
+        labelled requests its classifier (if it fits one) learns from too. `progress`: bars
+        on stderr while texts are embedded (a 605-tool catalog takes minutes the first time)."""
         t0 = time.perf_counter()
         prev = previous.entries if previous is not None and previous.strategy == strategy else {}
         hashes = {tool.name: tool.content_hash for tool in catalog}
@@ -308,8 +315,10 @@ class ToolIndex:
         asked = {t.name for t in todo if t.name in plans and t.cases}
         as_query = list(dict.fromkeys(t for name in asked for t in plans[name][2]))
         wanted = list(dict.fromkeys(t for name, (_, _, texts, p) in plans.items() for t in [*([] if name in asked else texts), p]))
-        found, missing = embed_cached(embedder, store, wanted, "document", persist=persist)
-        found_q, missing_q = embed_cached(embedder, store, as_query, "query", persist=persist) if as_query else ({}, 0)
+        label = f"indexing {len(plans)} tools ({strategy})" if progress else None
+        found, missing = embed_cached(embedder, store, wanted, "document", persist=persist, progress=label)
+        found_q, missing_q = (embed_cached(embedder, store, as_query, "query", persist=persist, progress=label and f"{label}, own cases")
+                              if as_query else ({}, 0))  # fmt: skip
         entries: dict[str, _Entry] = {}
         new: list[_Entry] = []
         for tool in catalog:
@@ -328,7 +337,7 @@ class ToolIndex:
         from_rows = {t for name in read for t in [*entries[name].texts, entries[name].primary_text]}
         index = cls(strategy, entries, embedder.dim)
         if wants_classifier(catalog):
-            index.classifier = classifier_for(index, embedder.identity, examples)
+            index.classifier = classifier_for(index, embedder.identity, examples, progress)
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),

@@ -22,6 +22,7 @@ from . import calibration as calib
 from . import catalog as catalog_mod
 from . import models
 from . import patterns as patterns_mod
+from . import progress as progress_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
@@ -108,6 +109,7 @@ class Pipeline:
         head: GateHead | None = None,
         query_cache: int = 0,
         examples: Examples | None = None,
+        progress: bool = False,
     ):
         self.embedder = embedder
         self.queries = QueryCache(query_cache)
@@ -122,15 +124,16 @@ class Pipeline:
         self.head = head  # the gate as a probability; None: thresholds compare raw scores
         self.examples = examples  # labelled requests a classifier over own cases learns from too
         self.indexes: dict[str, ToolIndex] = {}
-        self.reindex(catalog)
+        self.reindex(catalog, progress=progress)
 
-    def reindex(self, catalog: Catalog, persist: bool = True) -> dict[str, ToolIndex]:
+    def reindex(self, catalog: Catalog, persist: bool = True, progress: bool = False) -> dict[str, ToolIndex]:
         """(Re)build one index per distinct strategy, embedding only what changed (and, with
-        `persist`, keeping it in the store)."""
+        `persist`, keeping it in the store). `progress`: bars on stderr while it embeds."""
         built: dict[str, ToolIndex] = {}
         for strategy in dict.fromkeys(self.strategies.values()):
             key = str(strategy)
-            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist, self.examples)
+            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist, self.examples,
+                                         progress)  # fmt: skip
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
         return built
@@ -334,7 +337,9 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     cat = catalog if catalog is not None else catalog_mod.load(cfg.catalogs)
     if store is None:
         store = open_store(cfg.store)
-    embedder = embedder or open_embedder(cfg, store, progress, cal_file)
+    if embedder is None:
+        with progress_mod.slow_step(f"loading {cfg.model.name}", progress):
+            embedder = open_embedder(cfg, store, progress, cal_file)
     if calibration is not False:
         thresholds, origin = calib.thresholds_for(embedder.name, cfg.gate, cal_file)
         cal, _ = calib.in_force(embedder.name, cal_file)
@@ -345,4 +350,5 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
         "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
     ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
-    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples)
+    return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
+                    progress=progress)  # fmt: skip

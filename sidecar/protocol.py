@@ -13,7 +13,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-VERSION = 1  # protocol version: sent in `ready`, checked against `hello.version`
+VERSION = 2  # protocol version: sent in `ready`, checked against `hello.version`
+# Versions a hello may ask for. 2 named the scores apart (docs/protocol.md, "Versions"): a
+# session that said version 1 gets its frames with version 1's field names (`encode_for`).
+VERSIONS = (1, 2)
 MAX_REF_CHARS = 128  # a ref is a correlation id, stored with the call: not a payload
 MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels deep)
 
@@ -92,7 +95,7 @@ CLIENT_TYPES = {"hello": Hello, "user": User, "token": Token, "end": End, "tool_
 
 
 class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
-    version: int  # protocol version
+    version: int  # the protocol version of this session: the hello's, else the current one
     model: str
     tools: list[str]  # the session's catalog, by name
     sidecar: str = ""  # the sidecar's package version
@@ -100,7 +103,7 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
 
 class InjectedTool(msgspec.Struct):
     definition: dict[str, Any]  # the full MCP tool definition, as tools/list gives it
-    score: float
+    relevance: float  # the recommender's score of the tool for the span (best first): not a probability
     why: str
 
 
@@ -117,8 +120,13 @@ class TriggerInfo(msgspec.Struct):
 class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True):
     stream: str
     tier: Literal["auto", "confirm"]
+    probability: float | None  # the gate's P(the span needs a tool); None: the model has no gate head
     tools: list[InjectedTool]
-    trigger: TriggerInfo
+    trigger: TriggerInfo  # where in the stream the decision came from
+    # When it was sent: the code points of the stream the sidecar had received by then (a user
+    # turn: all of it). A short reply's only clause is judged at `end`: its trigger may be
+    # [0:13] while the inject came at 58, the end of the stream.
+    sent_at: int
     latency_ms: float  # from the frame that completed the span to this message
 
 
@@ -136,7 +144,7 @@ class DecisionReport(msgspec.Struct, tag="decision", tag_field="type", kw_only=T
     tier: Literal["auto", "confirm"] | None
     path: str
     tool: str | None  # the best candidate, fired or not
-    score: float | None
+    probability: float | None  # the gate's P(the span needs a tool); None: blocked by a pattern, or no gate head
     latency_ms: float  # from the frame that completed the span to this message
 
 
@@ -204,6 +212,22 @@ _DECODE_FAILURES = (msgspec.DecodeError, msgspec.ValidationError, ValueError, Re
 
 def encode(msg: ClientMessage | ServerMessage) -> bytes:
     return _encoder.encode(msg)
+
+
+def encode_for(msg: ServerMessage, version: int | None) -> bytes:
+    """A sidecar message as a client of protocol `version` reads it (None: the current one).
+    Version 1 called a tool's relevance and the gate's probability both `score`: a version 1
+    client gets that name back, and newer fields beside it (which a reader ignores), so it
+    keeps working unchanged."""
+    if version is None or version >= 2 or not isinstance(msg, (Inject, DecisionReport)):
+        return _encoder.encode(msg)
+    frame = msgspec.to_builtins(msg)
+    if isinstance(msg, DecisionReport):
+        frame["score"] = frame.pop("probability")
+    else:
+        for tool in frame["tools"]:
+            tool["score"] = tool.pop("relevance")
+    return _encoder.encode(frame)
 
 
 def decode_client(frame: str | bytes) -> ClientMessage:

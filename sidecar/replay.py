@@ -51,8 +51,9 @@ class Detection(msgspec.Struct):
     message: int  # index within the conversation
     role: str
     tier: str
+    probability: float | None  # the gate's P(needs a tool) (None: the model has no gate head)
     tools: list[str]
-    scores: list[float]
+    relevance: list[float]  # each injected tool's, as the recommender ranked it
     trigger: str
     path: str
     at_char: int  # end of the judged span within the message
@@ -231,8 +232,8 @@ def _detection(conv: Conversation, index: int, inject: Inject, at: int, truth: l
     tools = [t.definition["name"] for t in inject.tools]
     seen = next((k for k, e in enumerate(ends) if e >= at), len(ends) - 1)
     return Detection(
-        conversation=conv.id, message=index, role=msg.role, tier=inject.tier, tools=tools,
-        scores=[t.score for t in inject.tools], trigger=inject.trigger.text, path=inject.trigger.path,
+        conversation=conv.id, message=index, role=msg.role, tier=inject.tier, probability=inject.probability, tools=tools,
+        relevance=[t.relevance for t in inject.tools], trigger=inject.trigger.text, path=inject.trigger.path,
         at_char=at, truth=truth, correct=[t in truth for t in tools],
         lead_chars=len(msg.content) - at + after[0], lead_tokens=len(ends) - 1 - seen + after[1],
     )  # fmt: skip

@@ -142,7 +142,7 @@ class Connection:
         if self.outbox.qsize() >= self.cap:
             self._too_slow(f"{self.outbox.qsize()} messages queued")
             return
-        self.outbox.put_nowait(p.encode(msg))
+        self.outbox.put_nowait(p.encode_for(msg, self.session.version))
         kind = type(msg).__struct_config__.tag
         self.metrics.frames.labels("out", kind).inc()
         if isinstance(msg, p.Error):
@@ -379,8 +379,9 @@ class SidecarServer:
             conn.send(p.Error("internal", f"{type(e).__name__}: {e}", getattr(msg, "ref", None)))
 
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
-        if msg.version is not None and msg.version != p.VERSION:
-            raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol version {p.VERSION}, not {msg.version}")
+        if msg.version is not None and msg.version not in p.VERSIONS:
+            spoken = ", ".join(map(str, p.VERSIONS))
+            raise p.ProtocolError("unsupported_version", f"this sidecar speaks protocol versions {spoken}, not {msg.version}")
         if conn.session.hello is not None:
             raise p.ProtocolError("hello_again", "this connection already said hello")
         base = self.engine
@@ -392,7 +393,7 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
-        conn.send(p.Ready(version=p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
+        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
 
     async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """A session catalog's engine, built on the model thread and shared by sessions that
@@ -574,14 +575,32 @@ def report(ev: Evaluation, d: Decision) -> p.DecisionReport:
     """The `decision` message for a session that opted in."""
     latency = (time.perf_counter() - ev.received) * 1000
     return p.DecisionReport(stream=ev.stream.id, source=ev.source, text=ev.text, start=ev.start, end=ev.end, reason=ev.reason,
-                            fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, score=d.score, latency_ms=round(latency, 2))  # fmt: skip
+                            fired=d.fired, tier=d.tier, path=d.path, tool=d.tool, probability=d.probability,
+                            latency_ms=round(latency, 2))  # fmt: skip
 
 
-async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None) -> int:
+def listening(server: SidecarServer) -> str:
+    """The start-up line: where it listens and what it serves: the model, the tools and where
+    they came from (catalog files, live MCP servers), and the store its history goes to (a
+    SQLite file, or a PostgreSQL URL without its password), so a newcomer sees which of
+    several stores and catalogs this process uses."""
+    pipe = server.engine.pipeline
+    sources = [str(c) for c in server.cfg.catalogs or ()]
+    if server.live is not None:
+        up = sum(st.state == "connected" for st in server.live.manager.status())
+        sources.append(f"MCP servers {', '.join(server.mcp.servers)} ({up} of {len(server.mcp.servers)} connected)")
+    tools = f"{len(pipe.catalog)} tools from {' and '.join(sources)}" if sources else "no tools of its own: sessions bring theirs"
+    store = server.store.location if server.store is not None else "none"
+    return (f"listening on {server.url} (model {pipe.embedder.name}, {tools}, store {store}, "
+            f"loaded in {server.metrics.load_seconds:.1f} s)")  # fmt: skip
+
+
+async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None, progress: bool = True) -> int:
     """`sidecar serve`: bind, load, serve until SIGTERM/SIGINT, shut down gracefully.
-    Returns the exit status (2 when the model or index cannot be loaded)."""
+    Returns the exit status (2 when the model or index cannot be loaded). `progress`: bars on
+    stderr while the catalog is indexed."""
     pin_mmap_threshold()  # a long-running process: big freed buffers go back to the OS (issue 13)
-    server = SidecarServer(cfg, catalog=catalog, store=store, progress=True, mcp=mcp)
+    server = SidecarServer(cfg, catalog=catalog, store=store, progress=progress, mcp=mcp)
     await server.start()  # binds (so /healthz can say 503 while loading), then loads
     announce(f"loading {cfg.model.name}")
     loop = asyncio.get_running_loop()
@@ -596,13 +615,7 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
         announce(f"error: {server.load_error}")
         status = 2
     elif server.engine is not None:  # only now, with everything loaded, does it say where it listens
-        pipe = server.engine.pipeline
-        live = ""
-        if server.live is not None:
-            up = sum(st.state == "connected" for st in server.live.manager.status())
-            live = f", {up} of {len(mcp.servers)} MCP server(s) connected"
-        announce(f"listening on {server.url} (model {pipe.embedder.name}, {len(pipe.catalog)} tools{live}, "
-                 f"loaded in {server.metrics.load_seconds:.1f} s)")  # fmt: skip
+        announce(listening(server))
         await stopping
     announce("shutting down")
     await server.shutdown()

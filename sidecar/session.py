@@ -70,6 +70,7 @@ class StreamState:
     id: str
     segmenter: Segmenter | None = None  # set while tokens may arrive
     ended: bool = False
+    received_chars: int = 0  # code points of `token` deltas received on the stream
     injected: set[str] = field(default_factory=set)
 
 
@@ -88,6 +89,7 @@ class Evaluation:
     received: float  # perf_counter when the frame that completed it arrived
     key: object  # a newer evaluation with the same key supersedes a pending one
     reason: str = "user"  # why the span was cut: "user" (a whole turn) or a stream.Span reason
+    turn_chars: int | None = None  # a user turn's length (it arrives whole); None: LLM output, counted as it streams
 
 
 class Session:
@@ -104,6 +106,11 @@ class Session:
         self.offered: OrderedDict[str, tuple[list[str], str]] = OrderedDict()
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
         self._open = 0
+
+    @property
+    def version(self) -> int | None:
+        """The protocol version the hello asked for (None: no hello yet, or it named none: the current one)."""
+        return self.hello.version if self.hello is not None else None
 
     def start(self, hello: Hello, scope: Scope) -> None:
         if self.hello is not None:
@@ -128,7 +135,7 @@ class Session:
         if not stripped:
             return []
         start = len(text) - len(text.lstrip())
-        return [Evaluation(self, self.scope, state, stripped, start, start + len(stripped), "user", received, object())]
+        return [Evaluation(self, self.scope, state, stripped, start, start + len(stripped), "user", received, object(), turn_chars=len(text))]
 
     def on_token(self, stream: str, delta: str, received: float) -> list[Evaluation]:
         self.require_hello("token")
@@ -141,6 +148,7 @@ class Session:
             state.segmenter = Segmenter(self.limits.span_words, self.limits.max_stream_chars,
                                         rejudge_unchanged=self.limits.rejudge_unchanged)  # fmt: skip
             self._open += 1
+        state.received_chars += len(delta)
         return self._evaluations(state, self._spans(state.segmenter, state.segmenter.feed, delta), received)
 
     def on_end(self, stream: str, received: float) -> list[Evaluation]:
@@ -219,7 +227,9 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     """The inject a verdict calls for (`Judgement.inject`), minus tools its stream already got,
     tools its scope's catalog does not have, and tools of servers that are down now: dropped,
     not replaced, so no tool the text did not rank close to the best is promoted in their
-    place. The tier and the trigger are the gate's."""
+    place. The tier and the trigger are the gate's; `sent_at` is how much of the stream had
+    arrived when the inject was made, which on a busy server may be more than when its span was
+    cut (later deltas are read while the span waits for the model)."""
     ev, d = v.ev, v.decision
     tools: list[InjectedTool] = []
     picks = v.judgement.inject(margin)
@@ -227,7 +237,7 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     for r in picks:
         tool = ev.scope.catalog.get(r.tool)
         if tool is not None and r.tool not in ev.stream.injected and tool.server not in down:
-            tools.append(InjectedTool(tool.definition(), r.score, r.why))
+            tools.append(InjectedTool(tool.definition(), relevance=r.score, why=r.why))
     if not tools:
         return None
     ev.stream.injected.update(t.definition["name"] for t in tools)
@@ -236,7 +246,9 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
     trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
     latency = (time.perf_counter() - ev.received) * 1000
-    return Inject(stream=ev.stream.id, tier=d.tier, tools=tools, trigger=trigger, latency_ms=round(latency, 2))
+    sent_at = ev.turn_chars if ev.turn_chars is not None else ev.stream.received_chars
+    return Inject(stream=ev.stream.id, tier=d.tier, probability=d.probability, tools=tools, trigger=trigger, sent_at=sent_at,
+                  latency_ms=round(latency, 2))  # fmt: skip
 
 
 def context_of(hello: Hello) -> Context:

@@ -1,5 +1,6 @@
 """The HTTP side of the server's port, before any websocket: /healthz, /metrics, the page at
-`/`, and who may open a websocket at all (token, Origin allowlist, load, capacity).
+`/` and its examples (/examples), and who may open a websocket at all (token, Origin
+allowlist, load, capacity).
 
 `Web` is websockets' `process_request` hook: it answers a plain HTTP request itself, or
 returns None to let a handshake through to the server's websocket handler.
@@ -11,10 +12,12 @@ import hmac
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
 
+import msgspec
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from .examples import examples
 from .page import page
 from .telemetry import CONTENT_TYPE
 
@@ -44,6 +47,10 @@ class Web:
             return unauthorized(conn)
         if path == "/" and request.headers.get("Upgrade", "").lower() != "websocket":
             return page_response(conn)  # a browser, not a handshake: served while loading too
+        if path == "/examples":
+            if s.engine is None:
+                return conn.respond(503, "loading the model; retry shortly\n")
+            return _typed(conn.respond(200, msgspec.json.encode(examples(s.engine.catalog)).decode()), "application/json")
         if s.closing:
             return conn.respond(503, "shutting down\n")
         if s.engine is None:

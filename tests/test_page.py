@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import socket
 import sqlite3
 
@@ -19,8 +20,11 @@ import pytest
 from playwright.async_api import Page, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 
-from .conftest import ROOT
-from .test_server import WAIT_S, _serve, http_get, parse_metrics, run
+from sidecar import catalog as catalog_mod
+from sidecar import examples as examples_mod
+
+from .conftest import CATALOGS, ROOT, serve_process
+from .test_server import NOTES, SMALL, WAIT_S, http_get, parse_metrics, run
 
 CHROMIUM = pathlib.Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -46,22 +50,18 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def sidecar(tmp_path: pathlib.Path):
-    """A real `sidecar serve` (small model, notes catalog) that needs SECRET and allows only
-    its own origin; yields its port."""
+async def sidecar(tmp_path: pathlib.Path, catalog: pathlib.Path = NOTES):
+    """A real `sidecar serve` (small model, the notes catalog unless told) that needs SECRET
+    and allows only its own origin; yields its port."""
     port = free_port()
     cfg = tmp_path / "sidecar.toml"
     # auto pinned between the reply's two fired clauses (about 0.985 and 0.937 today), so it
     # yields one card of each tier even if a refit moves the calibration's own threshold
     cfg.write_text(f'[server]\ntoken = "{SECRET}"\norigins = ["http://127.0.0.1:{port}"]\n\n[gate]\nauto = 0.96\n')
-    proc, url, lines, drain = await _serve(tmp_path, "--config", str(cfg), "--port", str(port))
-    assert url == f"ws://127.0.0.1:{port}", lines
-    try:
+    args = ["--config", str(cfg), "--port", str(port), "--model", SMALL, "--catalog", str(catalog), "--store", str(tmp_path / "serve.db")]
+    with serve_process(args, tmp_path) as served:
+        assert served.url == f"ws://127.0.0.1:{port}", served.log_text()
         yield port
-    finally:
-        proc.terminate()
-        await proc.wait()
-        await drain
 
 
 @contextlib.asynccontextmanager
@@ -102,12 +102,18 @@ def test_a_reply_streamed_from_the_page_gets_inject_cards_and_a_confirm_is_store
 
             await send(page, "User turn", TURN)
             await page.wait_for_selector('.card[data-tools~="read_note"]', timeout=WAIT_MS)
+            # where the trigger was, and when the inject came: a user turn arrives whole
+            assert await page.text_content('.card[data-tools~="read_note"] .sent') == f"sent at {len(TURN)} (end of stream)"
+            assert (await page.text_content('.card[data-tools~="read_note"] .relevance')).startswith("relevance ")
+            assert (await page.text_content('.card[data-tools~="read_note"] .prob')).startswith("probability ")
 
             await send(page, "Assistant reply", REPLY)
             await page.fill("#rate", "40")  # the rest of the reply at 40 tokens/s
             card = page.locator('.card[data-tier="auto"][data-tools~="semantic_search"]')
             await card.wait_for(timeout=WAIT_MS)
             assert "call semantic_search" in await card.locator(".trigger q").text_content()
+            sent = int(re.fullmatch(r"sent at (\d+)(?: \(end of stream\))?", await card.locator(".sent").text_content()).group(1))
+            assert REPLY.index("setup. ") + len("setup. ") <= sent <= len(REPLY)  # once the clause's boundary was confirmed
             # the judged spans are painted in the streamed text, the trigger within them
             reply = page.locator(".turn", has_text="reply-")
             await reply.locator(".state", has_text="judged").wait_for(timeout=WAIT_MS)
@@ -163,3 +169,41 @@ def test_the_page_is_refused_without_the_token_and_its_socket_from_another_origi
             assert (status, text) == (403, "origin https://evil.example is not allowed\n")
 
     run(body())
+
+
+def test_the_examples_come_from_the_catalog_the_sidecar_loaded(tmp_path, chromium):
+    """Not the notes catalog's texts written into the page: a sidecar serving git.json fills
+    in requests for git's tools, and the reply it suggests, streamed, injects the tool it names."""
+    catalog = catalog_mod.load([CATALOGS / "git.json"])
+    notes = {t.name for t in catalog_mod.load([NOTES])}
+
+    async def body():
+        async with sidecar(tmp_path, CATALOGS / "git.json") as port, browser(chromium) as b:
+            page = await b.new_page()
+            await page.goto(f"http://127.0.0.1:{port}/?token={SECRET}")
+            await page.wait_for_selector('#status[data-state="ready"]', timeout=WAIT_MS)
+            await page.wait_for_selector("#example:enabled", timeout=WAIT_MS)
+            users = []
+            for _ in range(examples_mod.MAX_EXAMPLES + 1):  # each click the next one, then round again
+                await page.click("#example")
+                users.append(await page.input_value("#input"))
+            await page.get_by_text("Assistant reply", exact=True).click()
+            await page.click("#example")
+            reply = await page.input_value("#input")
+            await page.fill("#rate", "60")
+            await page.click("#send")
+            card = page.locator(".card").first
+            await card.wait_for(timeout=WAIT_MS)
+            injected = (await card.get_attribute("data-tools")).split()
+            status, _, _ = await http_get(port, "/examples")  # the page's token checks apply to it
+            return users, reply, injected, status
+
+    users, reply, injected, status = run(body())
+    want = examples_mod.examples(catalog)
+    assert users == want.user + want.user[:1] and len(set(users)) == examples_mod.MAX_EXAMPLES
+    # each a request for one of git's tools, phrased from its description
+    derived = {examples_mod.use_case(t).lower(): t.name for t in catalog}
+    assert [derived[u.lower()] for u in want.user] == want.tools and all(name.startswith("git_") for name in want.tools)
+    assert reply == want.reply[0] and f"call {want.tools[0]} to " in reply
+    assert injected[0] == want.tools[0] and not notes & set(injected)  # the example fires the tool it is about
+    assert status == 401

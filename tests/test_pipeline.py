@@ -114,6 +114,24 @@ def test_candidates_are_ranked_by_the_blend(pipe):
     assert len({c.tool for c in d.candidates}) == len(d.candidates)
 
 
+def test_detect_names_the_gate_probability_and_the_tools_match_apart(pipe):
+    """`detect`'s text: the gate's probability is never printed as a tool's score (it was:
+    "silent: best update_note scored 0.000 ... next: semantic_search 0.340")."""
+    from sidecar.output import describe
+
+    d = pipe.detect("what a lovely morning it is today")
+    assert not d.fired and d.probability == d.score and 0 <= d.probability < d.threshold
+    text = describe(d)
+    assert text.startswith(f"silent: probability {d.probability:.3f} that it needs a tool, below {d.threshold:.2f} ({d.path})"), text
+    ranking = ", ".join(f"{c.tool} {c.score:.3f}" for c in d.candidates[:4])
+    assert f"\n  ranked by match: {ranking}\n" in text and "scored" not in text
+    bare = copy.copy(pipe)
+    bare.head = None  # an uncalibrated model: the thresholds compare the best match, and say so
+    d = bare.detect("let me search my notes for the kubernetes setup")
+    assert d.probability is None and d.score == d.candidates[0].score
+    assert f"match {d.score:.3f} of semantic_search (no gate head" in describe(d)
+
+
 def test_second_build_reads_every_vector_from_the_store(tmp_path):
     db = tmp_path / "s.db"
     first = _pipeline(models.SMALL_MODEL, db)
@@ -161,7 +179,11 @@ def test_cli_detect_json(tmp_path):
     out = json.loads(run.stdout)
     assert out["model"] == models.DEFAULT_MODEL and out["thresholds_origin"] == "builtin"
     assert out["tool"] == "create_note" and out["fired"] is True
-    assert 0.5 < out["score"] <= 1 and out["score"] >= out["threshold"]  # the gate head's probability
+    assert 0.5 < out["probability"] <= 1 and out["probability"] >= out["threshold"]  # the gate head's
+    assert "score" not in out  # one name per scale: the gate's probability, a tool's match, its relevance
+    assert out["candidates"][0] == {"tool": out["tool"], "match": out["match"], "case": out["case"]}
+    assert [set(c) for c in out["candidates"]] == [{"tool", "match", "case"}] * len(out["candidates"])
+    assert out["inject"] and all(set(t) == {"tool", "relevance", "why"} and 0 < t["relevance"] <= 1 for t in out["inject"])
     assert {"high", "fallback", "auto", "confirm"} <= set(out["thresholds"]) and out["thresholds"]["tools"] == {}
     assert out["timing_ms"]["total"] > 0
 

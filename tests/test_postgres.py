@@ -234,16 +234,21 @@ async def fail(url: str, agent: str, n: int) -> list[p.Ack]:
 
 
 def test_failures_recorded_through_one_replica_change_what_the_other_injects(pg_url, tmp_path):
+    secret = pg_url.replace("@", ":s3cret-pw@", 1)  # the test cluster trusts local connections: any password does
+
     async def body():
-        with replicas(pg_url, tmp_path) as (a, b):
+        with replicas(secret, tmp_path) as (a, b):
+            lines = [ln for ln in a.log_text().splitlines() if "listening on" in ln]
             before = await ask(b.url, "dave", "before")
             acks = []
             for agent in ("mallory", "bob", "carol"):  # three distinct connections, all through A
                 acks += await fail(a.url, agent, 2)
             after = await ask(b.url, "dave", "after")  # dave asks B, which recorded none of them
-            return before, acks, after
+            return before, acks, after, lines, a.log_text() + b.log_text()
 
-    before, acks, after = run(body())
+    before, acks, after, lines, logs = run(body())
+    assert len(lines) == 1 and f", store {pg_url}, " in lines[0], lines  # the start-up line names the store ...
+    assert "s3cret" not in logs  # ... never its password
     assert all(isinstance(m, p.Ack) for m in acks), acks
     assert "create_note" in before
     assert "create_note" not in after  # B read A's failures from the shared store: the server is failing for everyone

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -101,7 +102,7 @@ def test_results_carry_score_factors_and_why(fs_small):
     assert top.tool in ("read_file", "read_text_file")
     f = top.factors
     assert 0 <= f.relevance <= 1 and f.relevance == 1.0 and f.calls == 0
-    assert "relevance" in top.why and "neutral history" in top.why
+    assert top.why.startswith("fit 1.00") and "neutral history" in top.why  # "fit": the score itself is the relevance
 
 
 def test_modes_differ_where_they_should(fs_small):
@@ -277,12 +278,13 @@ def test_cli_recommend_json(tmp_path):
     doc = json.loads(out.stdout)
     assert set(doc) == {"query", "results"} and doc["query"] == "write these lines to a new file"
     assert len(doc["results"]) == len(catalog_mod.load([FS]))  # every tool, so the failing one is there to check
-    assert all(set(r) == {"tool", "score", "why", "factors"} for r in doc["results"])
+    assert all(set(r) == {"tool", "relevance", "why", "factors"} for r in doc["results"])
+    assert [r["relevance"] for r in doc["results"]] == sorted((r["relevance"] for r in doc["results"]), reverse=True)
     assert doc["results"][0]["tool"] == "write_file"  # edit_file's failures demoted it
     edit = next(r for r in doc["results"] if r["tool"] == "edit_file")
     assert edit["factors"]["success"] == 0.0
     human = _cli("recommend", "--catalog", str(FS), "--model", models.SMALL_MODEL, "save a text file", store=store)
-    assert human.returncode == 0 and "write_file" in human.stdout and "relevance" in human.stdout
+    assert human.returncode == 0 and re.search(r"^ *\d+\. write_file  relevance [01]\.\d{3}$", human.stdout, re.M), human.stdout
 
 
 def test_cli_metrics_reads_what_the_store_recorded(tmp_path):

@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -85,15 +86,25 @@ def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
 
 
 def test_cli_replay_json_and_events(tmp_path):
+    """A newcomer's first replay on the whole catalog: a fresh store (its own XDG data home),
+    so all 605 tools are embedded, which shows progress on stderr while stdout stays one
+    JSON document."""
     assert TRANSCRIPTS, "fixtures/transcripts is empty"
     out = tmp_path / "events.jsonl"
-    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    env = {k: v for k, v in os.environ.items() if k not in ("SIDECAR_STORE", "SIDECAR_CONFIG")}
+    env["XDG_DATA_HOME"] = str(tmp_path / "data")
+    tools = len(catalog_mod.load([CATALOGS / "ALL.json"]))
     run = subprocess.run(
         [sys.executable, "-m", "sidecar", "replay", *map(str, TRANSCRIPTS), "--catalog", str(CATALOGS / "ALL.json"),
          "--model", models.SMALL_MODEL, "--out", str(out), "--json"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
+    assert (tmp_path / "data" / "sidecar" / "sidecar.db").is_file()  # the store was the fresh one
+    # a bar while the catalog's texts are embedded (counted in texts), then one while replaying
+    assert re.search(rf"indexing {tools} tools \(\S+\): +\d+%.*\d+/\d+ \[", run.stderr), run.stderr[-2000:]
+    assert re.search(r"replaying: +\d+%", run.stderr), run.stderr[-2000:]
+    assert run.stdout.count("\n") == 1  # stdout: the summary alone
     summary = json.loads(run.stdout)
     assert {"conversations", "messages", "injections", "precision", "recall", "false_fires", "lead_time_chars"} <= set(summary)
     assert set(summary["lead_time_chars"]) == {"p50", "p90"}

@@ -127,7 +127,8 @@ def test_serve_process_injects_live_definitions_merged_with_a_catalog(tmp_path, 
             proc.wait(10)
     text = log.read_text()
     assert "missing: not indexed" in text and "command not found" in text, text
-    assert "2 of 3 MCP server(s) connected" in text, text
+    catalog = CATALOGS / "notes.json"  # the start-up line names where the tools came from
+    assert f" tools from {catalog} and MCP servers time, filesystem, missing (2 of 3 connected), store {tmp_path / 'sidecar.db'}, " in text, text
     assert processes_with(str(fs_root)) == []  # shutting down stopped the stdio servers
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 
@@ -23,6 +24,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from sidecar import catalog as catalog_mod
 from sidecar import config as config_mod
 from sidecar import models
 from sidecar import protocol as p
@@ -157,7 +159,8 @@ def test_a_reply_streamed_character_by_character_gets_its_inject_before_end(pipe
             assert inj.stream == "r1" and inj.tier in ("auto", "confirm")
             best = inj.tools[0]
             assert best.definition == pipe.catalog.get("semantic_search").definition()
-            assert 0.0 < best.score <= 1.0 and best.why  # the recommender's score, not the gate's probability
+            assert 0.0 < best.relevance <= 1.0 and best.why  # the recommender's score ...
+            assert 0.0 <= inj.probability <= 1.0  # ... beside the gate's probability
             t = inj.trigger
             assert t.path.startswith("high:")
             assert 0 <= t.start < t.end <= len(SEARCH) and reply[t.start:t.end] == t.text
@@ -202,6 +205,34 @@ def test_user_turn_is_judged_whole(small):
     run(body())
 
 
+SHORT = "Let me search my notes for the kubernetes setup"  # one clause, no boundary: judged at `end`
+
+
+def test_an_inject_says_when_it_was_sent_as_well_as_where_its_trigger_was(small):
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="when") as sc:
+            for piece in tokens(SEARCH + " "):  # the space after the period confirms the boundary
+                await sc.token("r1", piece)
+            [*_, early] = await until(sc, lambda m: isinstance(m, p.Inject))  # before the rest is sent
+            await sc.token("r1", "Then I will tell you what it says.")
+            await sc.end("r1")
+            await until(sc, lambda m: isinstance(m, p.Ended))
+            for piece in tokens(SHORT):
+                await sc.token("r2", piece)
+            await sc.end("r2")
+            [late] = [m for m in await until(sc, lambda m: isinstance(m, p.Ended)) if isinstance(m, p.Inject)]
+            await sc.user("u", "  " + SHORT + " ")
+            await sc.end("u")
+            [turn] = [m for m in await until(sc, lambda m: isinstance(m, p.Ended)) if isinstance(m, p.Inject)]
+            return early, late, turn
+
+    early, late, turn = run(body())
+    assert early.trigger.end <= len(SEARCH) and early.sent_at == len(SEARCH) + 1  # at the clause's boundary
+    assert late.trigger.end < late.sent_at == len(SHORT)  # the trigger is early in it, the inject came at the end
+    assert late.trigger.text == SHORT[late.trigger.start : late.trigger.end]
+    assert turn.sent_at == len("  " + SHORT + " ")  # a user turn arrives whole
+
+
 def test_ended_comes_after_every_decision_of_its_stream_even_when_they_are_dropped(small):
     reply = SEARCH + " Ok, that is all"
     clauses = " ".join(f"Clause number {i} is here." for i in range(6)) + " "
@@ -237,8 +268,8 @@ def test_inject_tools_are_the_recommenders_within_the_hello_permissions(small):
                 [inj] = [m for m in msgs if isinstance(m, p.Inject)]
                 ranked = srv.engine.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
                 close = [r for r in ranked if r.score >= ranked[0].score - srv.limits.inject_margin]
-                assert [(t.definition["name"], t.score, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
-                assert inj.tier == msgs[-1].tier  # the gate's
+                assert [(t.definition["name"], t.relevance, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
+                assert (inj.tier, inj.probability) == (msgs[-1].tier, msgs[-1].probability)  # the gate's
             async with await SidecarClient.connect(srv.url, session="perm", permissions=["*_note"], decisions=True) as sc:
                 await sc.user("u", SEARCH)
                 msgs = await decisions(sc, 1)
@@ -626,8 +657,8 @@ def test_token_auth_and_origin_allowlist(small):
 
 
 async def _serve(tmp_path, *extra: str):
-    """Kept only for tests/test_hardening.py and tests/test_page.py, which import it: new tests
-    use conftest.serve_process (this copy goes once those two move to it)."""
+    """Kept only for tests/test_hardening.py, which imports it: new tests use
+    conftest.serve_process (this copy goes once that one moves to it)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", SMALL, "--catalog", str(NOTES),
@@ -656,6 +687,20 @@ async def _drain(stream, lines: list[str]) -> None:
 def serve_args(tmp_path) -> list[str]:
     """`sidecar serve` on the small model and notes.json, its store in tmp_path."""
     return ["--model", SMALL, "--catalog", str(NOTES), "--store", str(tmp_path / "serve.db")]
+
+
+def test_the_startup_line_names_the_model_the_catalogs_and_the_store(tmp_path):
+    """No --store: the default file in the XDG data dir, which the line names (a newcomer with
+    several stores, or a PostgreSQL one, sees which this process writes to)."""
+    catalogs = [NOTES, CATALOGS / "time.json"]
+    args = ["--model", SMALL, *(a for c in catalogs for a in ("--catalog", str(c)))]
+    env = {"XDG_DATA_HOME": str(tmp_path / "data"), "SIDECAR_STORE": None, "SIDECAR_CONFIG": None}
+    with serve_process(args, tmp_path, env=env) as served:
+        [line] = [ln for ln in served.log_text().splitlines() if "listening on" in ln]
+    tools = len(catalog_mod.load(catalogs))
+    assert re.fullmatch(rf"sidecar: listening on {re.escape(served.url)} \(model {SMALL}, {tools} tools from {re.escape(str(NOTES))} and "
+                        rf"{re.escape(str(catalogs[1]))}, store {re.escape(str(tmp_path / 'data' / 'sidecar' / 'sidecar.db'))}, "
+                        rf"loaded in [\d.]+ s\)", line), line  # fmt: skip
 
 
 def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
@@ -717,8 +762,93 @@ def test_example_client_streams_a_reply_and_prints_the_injection(small):
 
     code, out, err = run(body())
     assert code == 0, err
-    assert re.search(r"^inject \[(auto|confirm)\] semantic_search", out, re.MULTILINE), out
+    assert re.search(r"^inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)", out, re.MULTILINE), out
     assert "1 inject(s)" in out
+
+
+def test_example_client_sends_a_user_turn_whole(small):
+    """`python -m sidecar.client URL --user TEXT`: a `user` frame, judged whole; with a reply
+    too, the turn first, then the reply streamed token by token."""
+
+    async def client(url: str, *args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar.client", url, *args, "--rate", "200",
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+        return proc.returncode, out.decode(), err.decode()
+
+    def frames(srv, kind: str) -> float:
+        return srv.metrics.value("sidecar_frames_total", direction="in", type=kind)
+
+    async def body():
+        async with serving(small) as srv:
+            alone = await client(srv.url, "--user", SHORT)
+            counted = frames(srv, "user"), frames(srv, "token")
+            both = await client(srv.url, "--user", "what a lovely morning it is today", SAVE)
+            return alone, counted, both, frames(srv, "user"), frames(srv, "token")
+
+    (code, out, err), counted, (code2, out2, err2), users, deltas = run(body())
+    assert code == 0, err
+    assert counted == (1, 0)  # one user turn, no tokens
+    lines = out.splitlines()
+    assert lines[0].startswith("connected: model all-minilm-l6-v2") and lines[-1] == "1 inject(s)"
+    assert re.fullmatch(rf"inject \[(auto|confirm), probability [01]\.\d\d\] semantic_search \(relevance [01]\.\d\d\)(, .+)?; "
+                        rf"trigger '.+' \[\d+:\d+\] via \S+, sent at {len(SHORT)} \(end of stream\), in [\d.]+ ms", lines[1]), out  # fmt: skip
+    assert code2 == 0, err2
+    assert users == 2 and deltas == len(tokens(SAVE))  # the turn whole, then the reply token by token
+    assert out2.splitlines()[-1] == "1 inject(s)" and re.search(r"^inject .*\] create_note ", out2, re.MULTILINE), out2
+
+
+def test_example_client_refuses_an_empty_user_turn():
+    done = subprocess.run([sys.executable, "-m", "sidecar.client", "ws://127.0.0.1:9", "--user", "  "], capture_output=True, text=True,
+                          cwd=ROOT, timeout=WAIT_S)  # fmt: skip
+    assert done.returncode == 2 and "--user needs some text" in done.stderr
+
+
+def test_example_client_says_where_the_trigger_was_and_when_the_inject_came(small):
+    async def body():
+        async with serving(small) as srv:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "sidecar.client", srv.url, SHORT, "--rate", "200",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+            return proc.returncode, out.decode(), err.decode()
+
+    code, out, err = run(body())
+    assert code == 0, err
+    found = re.search(r"^inject .*; trigger '(.+)' \[(\d+):(\d+)\] via \S+, sent at (\d+) \(end of stream\), in ", out, re.MULTILINE)
+    assert found, out
+    text, start, end, sent = found.group(1), *map(int, found.groups()[1:])
+    assert SHORT[start:end] == text and end < sent == len(SHORT)
+
+
+def test_a_version_1_client_gets_the_field_names_of_version_1(small):
+    """Protocol 2 named the scores apart (docs/protocol.md, "Versions"): a hello that says
+    version 1 still gets `score` where version 2 says `relevance` (a tool's) and `probability`
+    (the gate's); a hello without a version speaks the current one."""
+
+    async def exchange(url: str, hello: dict) -> dict[str, dict]:
+        async with websockets.connect(url) as ws:
+            got = {"ready": await raw_exchange(ws, json.dumps({"type": "hello", "decisions": True, **hello}))}
+            await ws.send(json.dumps({"type": "user", "stream": "u", "text": SEARCH}))
+            while "decision" not in got:
+                m = json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
+                got[m["type"]] = m
+            return got
+
+    async def body():
+        async with serving(small) as srv:
+            return [await exchange(srv.url, hello) for hello in
+                    ({"session": "v1", "version": 1}, {"session": "v2", "version": 2}, {"session": "unversioned"})]  # fmt: skip
+
+    v1, v2, unversioned = run(body())
+    assert [f["ready"]["version"] for f in (v1, v2, unversioned)] == [1, 2, p.VERSION] and p.VERSION == 2
+    t1, t2 = v1["inject"]["tools"], v2["inject"]["tools"]
+    assert [(t["definition"], t["score"]) for t in t1] == [(t["definition"], t["relevance"]) for t in t2]
+    assert not any("relevance" in t for t in t1) and not any("score" in t for t in t2)
+    assert "probability" not in v1["decision"] and v1["decision"]["score"] == v2["decision"]["probability"]
+    assert "score" not in v2["decision"] and v2["inject"]["probability"] == v2["decision"]["probability"]
+    assert set(unversioned["inject"]) == set(v2["inject"])
 
 
 def test_protocol_examples_in_the_docs_decode():

@@ -133,7 +133,7 @@ def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
     d = json.loads(det.stdout)
     assert d["thresholds_origin"] == "calibration"
     assert d["thresholds"]["fallback"] == pytest.approx(fitted.thresholds.fallback)
-    assert 0 <= d["score"] <= 1 and not d["fired"]  # a probability now, and small talk stays silent
+    assert 0 <= d["probability"] <= 1 and not d["fired"]  # a probability now, and small talk stays silent
 
 
 def test_tune_plot_without_matplotlib_fails_before_any_work(labeled, tmp_path):

@@ -41,7 +41,9 @@ TERM_HIT, ACTION_HIT, DOMAIN_HIT = 1.0, 0.6, 0.25
 
 
 class Factors(msgspec.Struct):
-    """The five scored factors (each in 0..1) and what relevance was made of."""
+    """The five scored factors (each in 0..1) and what the first was made of. `relevance` is the
+    factor of that name in `[recommend.weights]`: how well the tool fits the text, among the
+    candidates (a why says "fit"); a tool's relevance, as shown, is the whole weighted score."""
 
     relevance: float
     success: float
@@ -567,11 +569,12 @@ def _penalty_shares(adj: S.Adjustment, rules: S.IntentRules) -> list[float]:
 
 
 def _why(f: Factors, info: dict, w: S.Weights, cfg: RecommendConfig) -> str:
-    """The factors that decided the place, shortest first: relevance and what made it, then
-    history that departs from neutral, then penalties."""
+    """The factors that decided the place, shortest first: how well the tool fits the text (the
+    relevance factor) and what made it, then history that departs from neutral, then penalties.
+    The factor is shown as "fit": the tool's relevance is the whole score this explains."""
     adj: S.Adjustment = info["adj"]
     parts = []
-    rel = f"relevance {f.relevance:.2f}"
+    rel = f"fit {f.relevance:.2f}"
     made = []
     if f.semantic is not None:
         made.append(f"match {f.semantic:.2f}")  # the ranker's blend (cosine, cases, BM25): not bounded by 1
