@@ -21,7 +21,6 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-import pytest
 
 from .conftest import ROOT, serve_process
 
@@ -37,12 +36,6 @@ SKIPPED = {
     (".venv/bin/pip", "install"): "installs from the package index and builds llama.cpp (~7 minutes)",
     (".venv/bin/python", "-m", "pytest"): "the whole test suite, which this test is part of",
 }
-
-# Interface planned in issue 34 and built on another branch: a command using FLAG of MODULE is
-# skipped, with this reason, only while MODULE's --help does not list FLAG. Delete the entry
-# once it has landed.
-PENDING = {("sidecar.client", "--user"): "issue 34: `python -m sidecar.client --user` (a user turn) is not in this tree yet"}
-
 
 def test_ci_runs_the_readme_test_command():
     readme = README.read_text()
@@ -111,15 +104,6 @@ def argv(cmd: Command) -> list[str] | None:
     return None
 
 
-def pending(cmd: Command, env: dict[str, str]) -> str | None:
-    for (module, flag), why in PENDING.items():
-        if module in cmd.words and flag in cmd.words:
-            helptext = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60).stdout
-            if flag not in helptext:
-                return why
-    return None
-
-
 def test_every_readme_command_is_run_or_skipped_for_a_stated_reason():
     cmds = commands(README.read_text())
     assert any(c.words[:2] == ("sidecar", "serve") for c in cmds), "the tour starts a server"
@@ -150,9 +134,6 @@ def test_every_readme_command_runs_as_written(tmp_path):
                     continue
                 run = argv(cmd)
                 assert run is not None, f"{cmd}: not a command the walk knows"
-                if why := pending(cmd, env):
-                    skips.append(f"{cmd}  [skipped: {why}]")
-                    continue
                 run = [w.replace(README_URL, url) for w in run]
                 t0 = time.monotonic()
                 if cmd.words[1:2] == ("serve",):
