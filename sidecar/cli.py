@@ -67,7 +67,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
         pipe = engine.pipeline
-        _print_json(output.detected(judged.decision, injected, pipe.embedder.name, pipe.thresholds, pipe.thresholds_origin))
+        _print_json(output.detected(judged.decision, injected, pipe.embedder.name, *pipe.thresholds_in_force))
     else:
         print(output.describe(judged.decision, injected))
     return 0

@@ -58,6 +58,9 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Query embeddings kept for texts seen before (LRU; 0: off): a repeated text is not
     # embedded again. Memory: about dim x 4 bytes + the text per entry (docs/configuration.md).
     query_cache: int = 2048
+    # A catalog whose tools carry their own cases fits its own gate and ranker weights from them
+    # when indexed (sidecar/selffit.py), where the built-in calibration is in force.
+    self_fit: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.query_cache <= 1_000_000:

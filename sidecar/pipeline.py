@@ -32,6 +32,7 @@ from .index import ToolIndex
 from .learned import GATE_SCALARS, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
+from .selffit import OwnFit, own_fit
 from .store import Store, open_store
 
 SOURCES = ("user", "llm")
@@ -110,6 +111,7 @@ class Pipeline:
         query_cache: int = 0,
         examples: Examples | None = None,
         progress: bool = False,
+        self_fit: bool = False,
     ):
         self.embedder = embedder
         self.queries = QueryCache(query_cache)
@@ -123,6 +125,8 @@ class Pipeline:
         self.ranker = ranker or Ranker()
         self.head = head  # the gate as a probability; None: thresholds compare raw scores
         self.examples = examples  # labelled requests a classifier over own cases learns from too
+        self.self_fit = self_fit  # a catalog with own cases fits its own ranker and gate (sidecar/selffit.py)
+        self.own: dict[str, OwnFit] = {}  # by index strategy
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog, progress=progress)
 
@@ -136,7 +140,19 @@ class Pipeline:
                                          progress)  # fmt: skip
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
+        self.own = {}
+        for key, index in built.items():
+            if self.self_fit and index.classifier is not None:
+                with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
+                    self.own[key] = own_fit(index, self.lexical, self.ranker, self.embedder.identity, index.names)
         return built
+
+    @property
+    def thresholds_in_force(self) -> tuple[Thresholds, str]:
+        """The thresholds a user turn is held to, and where they came from: the catalog's own
+        gate where it fitted one, else the calibration's."""
+        own = self.own.get(str(self.strategies["user"]))
+        return (own.gate.thresholds, self.thresholds_origin + "+self-fit") if own else (self.thresholds, self.thresholds_origin)
 
     def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:
         """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
@@ -172,7 +188,8 @@ class Pipeline:
             logits = index.logits(vectors[rows])
             lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
             features = rank_features(cosine, lex, cases, logits)
-            scores = self.ranker.score(features)
+            own = self.own.get(str(self.strategies[source]))
+            scores = (own.ranker if own else self.ranker).score(features)
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
                                None if logits is None else logits[j : j + 1])  # fmt: skip
@@ -204,6 +221,10 @@ class Pipeline:
         views = self.views(live, embedded.vectors)
         candidates = {i: self._top(v.scores[0], v.index, q, self.top_k) for i, v, q in zip(todo, views, embedded.vectors)}
         confidence = dict(zip(todo, self.confidence(live, embedded.vectors, views, [routes[i] for i in todo])))
+        owns = {i: self.own.get(str(self.strategies[requests[i].source])) for i in todo}
+        for i, v in zip(todo, views):
+            if (own := owns[i]) is not None:  # the catalog's own gate decides
+                confidence[i] = float(own.gate.probability(v.logits)[0])
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
@@ -216,7 +237,8 @@ class Pipeline:
         for i, (r, s) in enumerate(zip(requests, routes)):
             timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
             timing.total = timing.regex + timing.embed + timing.cosine
-            d = decide(r.text, r.source, s, candidates.get(i, []), self.thresholds, timing, confidence.get(i))
+            own = owns.get(i)
+            d = decide(r.text, r.source, s, candidates.get(i, []), own.gate.thresholds if own else self.thresholds, timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
         rows = dict(zip(todo, embedded.vectors))
@@ -350,5 +372,6 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
         "llm": Strategy.parse(cfg.index.llm_strategy or (cal and cal.llm_strategy) or calib.DEFAULT_LLM_STRATEGY),
     }
     ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
+    self_fit = cfg.index.self_fit and origin == "builtin"  # a calibration file or explicit thresholds are the user's word
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
-                    progress=progress)  # fmt: skip
+                    progress=progress, self_fit=self_fit)  # fmt: skip
