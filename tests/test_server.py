@@ -750,15 +750,18 @@ def test_serve_refuses_a_bad_config_with_a_clear_error(tmp_path):
     assert code == 2 and "server.max_streams=0 must be positive" in err
 
 
+async def example_client(url: str, *args: str) -> tuple[int, str, str]:
+    """`python -m sidecar.client URL ARGS... --rate 200` as a real process: exit code, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar.client", url, *args, "--rate", "200",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+    return proc.returncode, out.decode(), err.decode()
+
+
 def test_example_client_streams_a_reply_and_prints_the_injection(small):
     async def body():
         async with serving(small) as srv:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sidecar.client", srv.url, SEARCH + " Ok, done.", "--rate", "200",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-            )  # fmt: skip
-            out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
-            return proc.returncode, out.decode(), err.decode()
+            return await example_client(srv.url, SEARCH + " Ok, done.")
 
     code, out, err = run(body())
     assert code == 0, err
@@ -770,20 +773,14 @@ def test_example_client_sends_a_user_turn_whole(small):
     """`python -m sidecar.client URL --user TEXT`: a `user` frame, judged whole; with a reply
     too, the turn first, then the reply streamed token by token."""
 
-    async def client(url: str, *args: str) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar.client", url, *args, "--rate", "200",
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)  # fmt: skip
-        out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
-        return proc.returncode, out.decode(), err.decode()
-
     def frames(srv, kind: str) -> float:
         return srv.metrics.value("sidecar_frames_total", direction="in", type=kind)
 
     async def body():
         async with serving(small) as srv:
-            alone = await client(srv.url, "--user", SHORT)
+            alone = await example_client(srv.url, "--user", SHORT)
             counted = frames(srv, "user"), frames(srv, "token")
-            both = await client(srv.url, "--user", "what a lovely morning it is today", SAVE)
+            both = await example_client(srv.url, "--user", "what a lovely morning it is today", SAVE)
             return alone, counted, both, frames(srv, "user"), frames(srv, "token")
 
     (code, out, err), counted, (code2, out2, err2), users, deltas = run(body())
@@ -807,12 +804,7 @@ def test_example_client_refuses_an_empty_user_turn():
 def test_example_client_says_where_the_trigger_was_and_when_the_inject_came(small):
     async def body():
         async with serving(small) as srv:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "sidecar.client", srv.url, SHORT, "--rate", "200",
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-            )  # fmt: skip
-            out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
-            return proc.returncode, out.decode(), err.decode()
+            return await example_client(srv.url, SHORT)
 
     code, out, err = run(body())
     assert code == 0, err
