@@ -144,7 +144,9 @@ class Pipeline:
         for key, index in built.items():
             if self.self_fit and index.classifier is not None:
                 with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
-                    self.own[key] = own_fit(index, self.lexical, self.ranker, self.embedder.identity, index.names)
+                    own = own_fit(index, self.lexical, self.ranker, self.embedder.identity, index.names)
+                if own is not None:
+                    self.own[key] = own
         return built
 
     @property

@@ -73,6 +73,7 @@ class SelfFit(msgspec.Struct, frozen=True):
 
     folds: int = 5
     max_rows: int = 3000  # cases sampled for the folds: each fold refits the classifier
+    max_tools: int = 500  # past it, no self-fit: ten fits of (rows, dim) x (dim, tools) weights stop taking seconds
     classifier: ClassifierFit = msgspec.field(default_factory=ClassifierFit)
     seed: int = 0
 
@@ -165,11 +166,14 @@ def _precision(p_in: np.ndarray, p_out: np.ndarray, cut: float) -> float:
 _fits: dict[tuple, OwnFit] = {}  # the last few, by model and catalog content (a reindex of an unchanged catalog refits nothing)
 
 
-def own_fit(index: ToolIndex, lexical: LexicalIndex, base: Ranker, model: str, names: Sequence[str]) -> OwnFit:
-    """`SelfFit().fit`, memoised by model, index content and base ranker."""
+def own_fit(index: ToolIndex, lexical: LexicalIndex, base: Ranker, model: str, names: Sequence[str], fit: SelfFit = SelfFit()) -> OwnFit | None:
+    """`fit.fit`, memoised by model, index content and base ranker; None for a catalog of more
+    than `fit.max_tools` tools (it keeps the built-in calibration)."""
+    if len(names) > fit.max_tools:
+        return None
     key = (model, str(index.strategy), tuple(index.entries[n].hash for n in names), base.weights, base.adapter is not None)
     if key not in _fits:
         while len(_fits) >= 4:
             _fits.pop(next(iter(_fits)))
-        _fits[key] = SelfFit().fit(index, lexical, base)
+        _fits[key] = fit.fit(index, lexical, base)
     return _fits[key]

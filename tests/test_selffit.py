@@ -79,3 +79,10 @@ def test_a_catalog_without_own_cases_keeps_the_built_in_calibration(tmp_path):
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "notes.json")]})
     pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
     assert pipe.own == {} and pipe.thresholds_in_force == (pipe.thresholds, "builtin")
+
+
+def test_a_catalog_past_the_tool_limit_keeps_the_built_in_calibration(fitted):
+    index = fitted.index_for("user")
+    small = selffit.SelfFit(max_tools=len(index.names) - 1)
+    assert selffit.own_fit(index, fitted.lexical, fitted.ranker, "m", index.names, small) is None
+    assert selffit.own_fit(index, fitted.lexical, fitted.ranker, "m", index.names) is not None
