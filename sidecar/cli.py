@@ -273,9 +273,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import catalog as catalog_mod
     from . import store as store_mod
     from .lab import tune
-    from .lab.evaluate import read_labeled
+    from .lab.evaluate import from_transcripts, read_labeled
+    from .transcripts import read_transcripts
 
     cfg = _config(args)
+    if not args.labeled and not args.transcripts:
+        raise ValueError("nothing to fit on: give --labeled FILE or --transcripts FILE (or both)")
     objective = tune.Objective.parse(args.objective)
     if not args.l2_embedding > 0:
         raise ValueError(f"--l2-embedding must be positive, not {args.l2_embedding}")
@@ -288,7 +291,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         plot.require_matplotlib()
     cat = catalog_mod.load(cfg.catalogs)
-    items = [i for path in args.labeled for i in read_labeled(path, cat)]
+    items = [i for path in args.labeled or () for i in read_labeled(path, cat)]
+    if args.transcripts:
+        items += from_transcripts(read_transcripts(args.transcripts, cat))
     store = store_mod.open_store(cfg.store)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
                       progress=None if args.quiet else progress.note, l2_embedding=args.l2_embedding, start=args.start,
@@ -490,7 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="fit the ranker, the gate head and its thresholds on labelled data")
     _common(p)
-    p.add_argument("--labeled", metavar="FILE", required=True, action="append", help="JSONL labelled set (repeat to combine several)")
+    p.add_argument("--labeled", metavar="FILE", action="append", help="JSONL labelled set (repeat to combine several)")
+    p.add_argument("--transcripts", metavar="FILE", nargs="+", help="chat logs `replay` reads (OpenAI, Anthropic, ours) as labelled data: "
+                   "each user turn expects the tools called before the next user turn, or none")
     p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)

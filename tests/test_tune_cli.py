@@ -369,3 +369,53 @@ def test_tune_fits_and_judges_each_item_against_only_the_tools_it_offers(labeled
                  "--heldout-fraction", "0.4", "--seed", "3", "--start", "none", tmp_path=tmp_path)  # fmt: skip
     assert whole.returncode == 0, whole.stderr
     assert json.loads(whole.stdout)["ranker"]["weights"] != out["ranker"]["weights"]
+
+
+def test_chat_logs_read_as_labelled_data(tmp_path):
+    """Each user turn expects the tools called before the next user turn (first-called order,
+    each once), or none; a turn whose reply called nothing is a 'no tool' line."""
+    from sidecar.lab.evaluate import from_transcripts
+    from sidecar.transcripts import read_transcripts
+
+    call = lambda name: {"type": "function", "function": {"name": name, "arguments": "{}"}}  # noqa: E731
+    chat = {"id": "c1", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "find my note on postgres, then add today's date to it"},
+        {"role": "assistant", "content": None, "tool_calls": [call("semantic_search")]},
+        {"role": "tool", "content": "found it"},
+        {"role": "assistant", "content": None, "tool_calls": [call("update_note"), call("semantic_search")]},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "thanks!"},
+        {"role": "assistant", "content": "Any time."},
+        {"role": "user", "content": "list my notes"},
+        {"role": "assistant", "content": None, "tool_calls": [call("list_notes")]},
+    ]}  # fmt: skip
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(chat))
+    items = from_transcripts(read_transcripts([path]))
+    assert [(i.text, i.expect, i.source) for i in items] == [
+        ("find my note on postgres, then add today's date to it", ["semantic_search", "update_note"], "user"),
+        ("thanks!", None, "user"),
+        ("list my notes", "list_notes", "user"),
+    ]
+
+
+def test_tune_fits_on_chat_logs(tmp_path):
+    """`sidecar tune --transcripts`: the logs `replay` reads, as the only labelled data; the
+    calibration it writes is one `detect` takes. Without --labeled or --transcripts it refuses."""
+    sample = ROOT / "fixtures" / "transcripts" / "bfcl-live"
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    out = tmp_path / "cal.json"
+    args = ["--model", models.SMALL_MODEL, "--catalog", str(sample / "catalog.json")]
+    done = subprocess.run([sys.executable, "-m", "sidecar", "tune", *args, "--transcripts", str(sample / "sample.jsonl"), "--heldout-fraction", "0.3",
+                           "--out", str(out), "--json", "-q"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["heldout"]["n"] == 13  # 44 user turns in the sample, 30% held out
+    cal = calibration.read(out)
+    assert cal.model == models.SMALL_MODEL and cal.head is not None
+    detect = subprocess.run([sys.executable, "-m", "sidecar", "detect", *args, "--calibration", str(out), "--json", "what's the weather in Boston?"],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert detect.returncode == 0 and json.loads(detect.stdout)["thresholds_origin"] == "calibration", detect.stderr
+    refused = subprocess.run([sys.executable, "-m", "sidecar", "tune", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and "give --labeled FILE or --transcripts FILE" in refused.stderr

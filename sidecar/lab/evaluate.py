@@ -21,6 +21,7 @@ from ..ranking import percentiles
 
 if TYPE_CHECKING:
     from ..engine import Sidecar
+    from ..transcripts import Conversation
 
 
 class LabeledError(ValueError):
@@ -69,6 +70,25 @@ def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> li
         items.append(item)
     if not items:
         raise LabeledError(f"{path}: no labelled items")
+    return items
+
+
+def from_transcripts(conversations: Sequence[Conversation]) -> list[Labeled]:
+    """Chat logs as labelled data (`tune --transcripts`): each user turn expects the tools the
+    model called before the next user turn, in the order first called, or none where it called
+    none. Free labels from traffic every chat app already keeps; a turn with empty text is left out."""
+    items: list[Labeled] = []
+    for conv in conversations:
+        turn: str | None = None
+        called: list[str] = []
+        for k, m in enumerate([*conv.messages, None]):
+            if m is None or m.role == "user":
+                if turn is not None and turn.strip():
+                    expect = None if not called else called[0] if len(called) == 1 else list(called)
+                    items.append(Labeled(turn, expect, "user", id=f"{conv.id}:{at}"))
+                turn, called, at = (None, [], k) if m is None else (m.content, [], k)
+            elif m.role == "assistant" and turn is not None:
+                called.extend(c.name for c in m.tool_calls or () if c.name not in called)
     return items
 
 
