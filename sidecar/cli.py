@@ -295,6 +295,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.transcripts:
         items += from_transcripts(read_transcripts(args.transcripts, cat))
     store = store_mod.open_store(cfg.store)
+    matrix = None
+    if args.strategies:
+        from .lab import strategies
+        from .lab.evaluate import against_whole_catalog
+
+        fit_part = [items[k] for k in tune.split(len(items), args.heldout_fraction, args.seed)[0]]
+        matrix = strategies.matrix(against_whole_catalog(fit_part, "tune --strategies"), cat, cfg, store, objective,
+                                   progress=None if args.quiet else progress.note)  # fmt: skip
+        if not args.json:
+            print(strategies.describe(matrix, objective), flush=True)
     fitted = tune.fit(items, cat, cfg, objective, args.heldout_fraction, args.seed, store,
                       progress=None if args.quiet else progress.note, l2_embedding=args.l2_embedding, start=args.start,
                       absent_share=args.absent_share)  # fmt: skip
@@ -307,7 +317,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         _print_json({"calibration": fitted.calibration.thresholds, "ranker": {"weights": ranker.weights, "adapter": ranker.adapter is not None},
                      "objective": fitted.objective,
                      "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds,
-                     "start": fitted.start, "starts": fitted.starts})  # fmt: skip
+                     "start": fitted.start, "starts": fitted.starts, **({"matrix": matrix} if matrix is not None else {})})  # fmt: skip
     else:
         print(tune.describe(fitted))
         if args.out:
@@ -498,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labeled", metavar="FILE", action="append", help="JSONL labelled set (repeat to combine several)")
     p.add_argument("--transcripts", metavar="FILE", nargs="+", help="chat logs `replay` reads (OpenAI, Anthropic, ours) as labelled data: "
                    "each user turn expects the tools called before the next user turn, or none")
+    p.add_argument("--strategies", action="store_true", help="first compare the index strategies (base, prefix, mcp, llm, action and "
+                   "combinations) on the fit part, uncalibrated: TP, FP, top-1, Pareto front (--json: matrix)")
     p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)

@@ -419,3 +419,24 @@ def test_tune_fits_on_chat_logs(tmp_path):
     assert detect.returncode == 0 and json.loads(detect.stdout)["thresholds_origin"] == "calibration", detect.stderr
     refused = subprocess.run([sys.executable, "-m", "sidecar", "tune", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert refused.returncode == 2 and "give --labeled FILE or --transcripts FILE" in refused.stderr
+
+
+def test_tune_compares_the_index_strategies_first(tmp_path):
+    """`tune --strategies --json`: one matrix row per strategy of the design, judged on the fit
+    part before fitting; the Pareto front is the rows no other row beats on TP, FP and top-1."""
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    done = subprocess.run([sys.executable, "-m", "sidecar", "tune", "--model", models.SMALL_MODEL, "--catalog", NOTES,
+                           "--labeled", str(ROOT / "fixtures" / "labeled" / "notes.jsonl"), "--strategies", "--json", "-q"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {r["strategy"]: r for r in json.loads(done.stdout)["matrix"]}
+    from sidecar.lab import strategies
+
+    assert list(rows) == list(strategies.STRATEGIES)
+    assert rows["llm"]["rows"] > rows["base"]["rows"] and rows["mcp+llm+action"]["rows"] > rows["llm"]["rows"]
+    assert len({(r["tp_rate"], r["top1"]) for r in rows.values()}) > 1  # the strategies are judged on their own rows
+    beaten = lambda a, b: (a["tp_rate"] >= b["tp_rate"] and a["fp_rate"] <= b["fp_rate"] and a["top1"] >= b["top1"]  # noqa: E731
+                           and (a["tp_rate"], a["fp_rate"], a["top1"]) != (b["tp_rate"], b["fp_rate"], b["top1"]))
+    for r in rows.values():
+        assert r["pareto"] == (not any(beaten(o, r) for o in rows.values() if o is not r)), r
+    assert any(r["pareto"] for r in rows.values())
