@@ -1,0 +1,62 @@
+"""Issue 33: the work one frame can cause is bounded. Each input below used to take seconds to
+hours (quadratic backtracking or an unbounded list) on the event loop or the model thread; the
+checks here are pure and bounded by generous walls (100x the linear cost), not speed targets."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+import pytest
+
+from sidecar import cases, protocol as p
+from sidecar.catalog import Tool
+
+
+def _within(seconds: float, fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    assert time.perf_counter() - t0 < seconds, f"{fn.__name__} took {time.perf_counter() - t0:.1f} s"
+    return out
+
+
+def test_the_nesting_check_is_linear_on_runs_of_escaped_quotes():
+    """`"[" * 65 + '\\"' * N`: 16 s at 62 KB before; a 1 MiB frame would have taken an hour."""
+    frame = "[" * 65 + '\\"' * 500_000
+    assert _within(2.0, p.too_deep, frame)  # 65 open brackets: too deep, whatever follows
+    assert not p.too_deep('{"a": "' + '\\"[' * 1000 + '"}')  # escaped quotes and brackets inside a string are text
+    assert not p.too_deep('{"a": "x\\\\", "b": [[1]]}')  # an escaped backslash ends before the closing quote
+    assert p.too_deep('{"a": "x\\\\"' + "[" * 70 + "]" * 70 + "}")  # so these brackets are outside the string
+    assert p.too_deep('{"a": "x\\"' + "[" * 70 + "]" * 70 + '"}') is False  # and these are inside it
+
+
+def test_hello_caps_the_permissions_list():
+    """75,000 globs held the model thread 61.6 s; a hello now carries at most MAX_PERMISSIONS."""
+    ok = {"type": "hello", "session": "s", "permissions": ["notes__*"] * p.MAX_PERMISSIONS}
+    assert isinstance(p.decode_client(json.dumps(ok)), p.Hello)
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode_client(json.dumps({**ok, "permissions": ["*x*z"] * (p.MAX_PERMISSIONS + 1)}))
+    assert e.value.code == "invalid_field" and "permissions" in e.value.message
+    with pytest.raises(p.ProtocolError):
+        p.decode_client(json.dumps({**ok, "permissions": ["x" * (p.MAX_GLOB_CHARS + 1)]}))
+
+
+@pytest.mark.parametrize("description", [
+    "use to" + " " * 60_000 + "x",  # _USE_LIST: 16.1 s before
+    "(" * 60_000,  # _clip's parenthetical: 5.1 s
+    "[" * 60_000 + "x",  # _MARKUP's link
+    "Reads a file." + " " * 60_000 + "/x",  # the sentence splitter's " / "
+    "a\n" + " " * 60_000 + "b",
+])  # fmt: skip
+def test_deriving_cases_from_a_hostile_description_is_bounded(description):
+    tool = msgspec.convert({"name": "t", "description": description, "inputSchema": {"type": "object"}}, Tool)
+    phrases = _within(2.0, cases.derive, tool)
+    assert all(len(x) <= 400 for x in phrases)
+
+
+def test_derived_cases_of_ordinary_descriptions_are_unchanged():
+    tool = msgspec.convert({"name": "read_text_file", "description": "Read the complete contents of a file (as text) from the file system. "
+                            "Use this tool when you need to examine a file: handles UTF-8. See [the docs](https://x.y/(a)).",
+                            "inputSchema": {"type": "object"}}, Tool)  # fmt: skip
+    assert cases.derive(tool)[:2] == ["read text file", "read the complete contents of a file from the file system"]
