@@ -4,13 +4,20 @@ allowlist, load, capacity).
 
 `Web` is websockets' `process_request` hook: it answers a plain HTTP request itself, or
 returns None to let a handshake through to the server's websocket handler.
+
+Secure by default (issue 33): a browser page of another origin is refused unless
+`server.origins` lists it (a client that sends no `Origin` is no browser page, and the page the
+sidecar serves is its own origin); on a loopback bind, a `Host` that names no loopback address
+is refused, so a web page cannot reach a local sidecar through DNS rebinding either; methods other
+than GET and HEAD get 405.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 from websockets.asyncio.server import ServerConnection
@@ -32,6 +39,13 @@ class Web:
     def __call__(self, conn: ServerConnection, request: Request) -> Response | None:
         s, limits = self.server, self.server.limits
         path, _, query = request.path.partition("?")
+        if request.method not in ("GET", "HEAD"):
+            resp = conn.respond(405, f"method {request.method} is not allowed: GET or HEAD\n")
+            resp.headers["Allow"] = "GET, HEAD"
+            return resp
+        host = request.headers.get("Host")
+        if host is not None and _loopback(limits.host) and not _loopback(_hostname(host)):
+            return conn.respond(421, f"host {host} is not this sidecar: a loopback sidecar answers only to a loopback name\n")
         if path == "/healthz":
             if s.ready:
                 return conn.respond(200, "ok\n")
@@ -41,8 +55,8 @@ class Web:
                 return unauthorized(conn)
             return _typed(conn.respond(200, s.metrics.render().decode()), CONTENT_TYPE)
         origin = request.headers.get("Origin")
-        if limits.origins and origin is not None and origin not in limits.origins:
-            return conn.respond(403, f"origin {origin} is not allowed\n")
+        if origin is not None and origin not in limits.origins and (host is None or origin != f"http://{host}"):
+            return conn.respond(403, f"origin {origin} is not allowed (list it in server.origins)\n")
         if not self.authorized(request.headers, query):
             return unauthorized(conn)
         if path == "/" and request.headers.get("Upgrade", "").lower() != "websocket":
@@ -71,6 +85,23 @@ class Web:
         if given is None:
             given = (parse_qs(query).get("token") or [None])[0]
         return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header: "127.0.0.1:8765" -> "127.0.0.1", "[::1]:8765" -> "::1"."""
+    try:
+        return urlsplit(f"//{host}").hostname or ""
+    except ValueError:
+        return ""
+
+
+def _loopback(name: str) -> bool:
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def page_response(conn: ServerConnection) -> Response:

@@ -151,7 +151,7 @@ def test_a_reply_streamed_from_the_page_gets_inject_cards_and_a_confirm_is_store
         db.close()
 
 
-def test_the_page_is_refused_without_the_token_and_its_socket_from_another_origin(tmp_path, chromium):
+def test_the_page_is_refused_without_the_token_and_a_page_of_another_origin_cannot_connect(tmp_path, chromium):
     async def body():
         async with sidecar(tmp_path) as port, browser(chromium) as b:
             page = await b.new_page()
@@ -159,14 +159,20 @@ def test_the_page_is_refused_without_the_token_and_its_socket_from_another_origi
                 resp = await page.goto(url)
                 assert resp.status == 401
                 assert "a token is required" in await page.text_content("body")
-            # the same server under another name: a navigation sends no Origin, so the page
-            # loads, but its websocket says Origin http://localhost:PORT, not in the allowlist
+            # the same server under another loopback name is still its own page: it connects
             resp = await page.goto(f"http://localhost:{port}/?token={SECRET}")
             assert resp.status == 200
-            await page.wait_for_selector('#status[data-state="down"]', timeout=WAIT_MS)
-            assert await page.is_disabled("#send")
+            await page.wait_for_selector('#status[data-state="ready"]', timeout=WAIT_MS)
+            # a page of another origin (the browser serves it itself) opens a websocket to the
+            # sidecar, token and all: refused, as it would be with no allowlist at all (issue 33)
+            script = (f"<script>const ws = new WebSocket('ws://127.0.0.1:{port}/?token={SECRET}');"
+                      "ws.onopen = () => { document.title = 'open'; }; ws.onerror = () => { document.title = 'refused'; };</script>")
+            await page.route("http://evil.test/", lambda route: route.fulfill(status=200, content_type="text/html", body=script))
+            await page.goto("http://evil.test/")
+            await page.wait_for_function("document.title !== ''", timeout=WAIT_MS)
+            assert await page.title() == "refused"
             status, _, text = await http_get(port, f"/?token={SECRET}", {"Origin": "https://evil.example"})
-            assert (status, text) == (403, "origin https://evil.example is not allowed\n")
+            assert (status, text) == (403, "origin https://evil.example is not allowed (list it in server.origins)\n")
 
     run(body())
 

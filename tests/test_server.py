@@ -653,6 +653,43 @@ def test_token_auth_and_origin_allowlist(small):
     run(body())
 
 
+async def raw_http(port: int, head: str) -> tuple[int, str]:
+    """One raw HTTP/1.1 request (`head`: its request line and headers): status and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{head}\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), WAIT_S)
+    writer.close()
+    status, _, body = data.decode().partition("\r\n\r\n")
+    return int(status.split()[1]), body
+
+
+def test_secure_defaults_refuse_other_origins_rebinding_and_other_methods(small):
+    """Issue 33: with no origins configured, a page of another origin is refused and the
+    sidecar's own origin and non-browser clients still connect; on a loopback bind a Host that
+    names another host (DNS rebinding) gets 421; methods other than GET and HEAD get 405."""
+
+    async def body():
+        async with serving(small) as srv:
+            own = f"http://127.0.0.1:{srv.port}"
+            with pytest.raises(SidecarError, match="403"):
+                await SidecarClient.connect(srv.url, session="evil", origin="https://evil.example")
+            async with await SidecarClient.connect(srv.url, session="page", origin=own) as sc:
+                assert sc.ready.tools
+            async with await SidecarClient.connect(srv.url, session="cli") as sc:  # no Origin: not a browser page
+                assert sc.ready.tools
+            rebound = await raw_http(srv.port, f"GET / HTTP/1.1\r\nHost: evil.example:{srv.port}")
+            local = [await raw_http(srv.port, f"GET /healthz HTTP/1.1\r\nHost: {h}:{srv.port}") for h in ("localhost", "127.0.0.1", "[::1]")]
+            methods = [await raw_http(srv.port, f"{m} / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}") for m in ("FOO", "POST", "HEAD", "GET")]
+            return rebound, local, methods
+
+    rebound, local, methods = run(body())
+    assert rebound[0] == 421 and "loopback" in rebound[1]
+    assert [status for status, _ in local] == [200, 200, 200]
+    assert [status for status, _ in methods] == [405, 405, 200, 200]
+    assert "GET or HEAD" in methods[0][1]
+
+
 # Processes: `sidecar serve` and the example client --------------------------------------
 
 
