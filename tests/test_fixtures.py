@@ -90,3 +90,25 @@ def test_transcripts_are_valid(cat):
 def test_transcripts_include_turns_without_tools():
     plain = [m for _, m in _transcript_lines() if m["role"] == "assistant" and not m.get("tool_calls")]
     assert plain
+
+
+# the verb probe of issue 30 item 4: judged against these servers' own catalogs, merged as server__tool
+VERBS_SERVERS = ["filesystem", "git", "github", "notes", "google-calendar", "gmail", "todoist"]
+
+
+def test_verb_probe_is_valid_and_pairs_nouns_with_different_verbs():
+    cat = catalog.load([FIXTURES / "catalogs" / f"{s}.json" for s in VERBS_SERVERS])
+    items = evaluate.read_labeled(LABELED / "verbs.jsonl", cat)  # every expected tool is in the catalogs
+    assert len(items) >= 200
+    texts = [i.text.casefold() for i in items]
+    assert len(texts) == len(set(texts)), "duplicate lines"
+    pos = [i for i in items if i.positive]
+    assert {i.source for i in pos} == {"user", "llm"} and any(not i.positive for i in items)
+    assert {t.split("__", 1)[0] for i in pos for t in i.expected} == set(VERBS_SERVERS)
+    assert all(i.group for i in pos), "every request names the noun it shares (group)"
+    # a request counts as paired when another request about the same noun expects none of its tools
+    by_group: dict[str, list] = {}
+    for i in pos:
+        by_group.setdefault(i.group, []).append(i)
+    paired = [i for i in pos if any(not (o.expected & i.expected) for o in by_group[i.group])]
+    assert len(paired) >= 0.6 * len(pos), f"only {len(paired)}/{len(pos)} requests share a noun with a different action"
