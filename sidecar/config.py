@@ -130,6 +130,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # (another replica), retrying without blocking the model thread's reads; past it the
     # client gets `store_busy`.
     store_busy_timeout_ms: float = 2000.0
+    # Silent connections (issue 33): one that sends no hello within hello_timeout_s is closed
+    # (1008), one that then sends nothing for idle_timeout_s too (1001); a silent connection
+    # would otherwise hold one of max_connections for ever.
+    hello_timeout_s: float = 10.0
+    idle_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -147,7 +152,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
         if self.token is not None and not self.token.strip():
             raise ValueError("server.token is empty: unset it or give a secret")
         for key in ("max_batch_spans", "max_batch_ms", "max_hello_tools", "catalog_slice_tools", "session_catalogs", "outbox_messages",
-                    "send_timeout_s", "store_busy_timeout_ms"):  # fmt: skip
+                    "send_timeout_s", "store_busy_timeout_ms", "hello_timeout_s", "idle_timeout_s"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
 

@@ -324,8 +324,21 @@ class SidecarServer:
         session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
+        frames = aiter(ws)
         try:
-            async for frame in ws:
+            while True:
+                said_hello = conn.session.hello is not None
+                try:
+                    frame = await asyncio.wait_for(anext(frames), self.limits.idle_timeout_s if said_hello else self.limits.hello_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:  # a silent connection holds a place others could use
+                    self.metrics.timeouts.labels("idle" if said_hello else "hello").inc()
+                    if said_hello:
+                        await ws.close(1001, f"idle for {self.limits.idle_timeout_s:g} s")
+                    else:
+                        await ws.close(1008, f"no hello within {self.limits.hello_timeout_s:g} s")
+                    break
                 await self._on_frame(conn, frame)
                 await conn.room()
         except ConnectionClosed:

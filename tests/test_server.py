@@ -690,6 +690,35 @@ def test_secure_defaults_refuse_other_origins_rebinding_and_other_methods(small)
     assert "GET or HEAD" in methods[0][1]
 
 
+def test_silent_connections_are_closed_and_free_their_place(small):
+    """Issue 33: connections that never say hello (or fall silent after it) held places in
+    max_connections for ever; now the hello and idle timeouts close them, and a new client
+    gets the place."""
+
+    async def body():
+        async with serving(small, max_connections=2, hello_timeout_s=0.5, idle_timeout_s=1.0) as srv:
+            silent = [await websockets.connect(srv.url) for _ in range(2)]  # no hello: both places taken
+            with pytest.raises(InvalidStatus):
+                async with websockets.connect(srv.url):
+                    pass
+            for ws in silent:
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), WAIT_S)
+            codes = [ws.close_code for ws in silent]
+            async with await SidecarClient.connect(srv.url, session="late") as sc:  # a place again
+                assert sc.ready.tools
+                await sc.ping()
+                await asyncio.wait_for(sc.recv(), WAIT_S)  # pong
+                await asyncio.sleep(1.5)  # silent past the idle timeout
+                with pytest.raises((ConnectionClosed, SidecarError)):
+                    await asyncio.wait_for(sc.recv(), WAIT_S)
+            m = srv.metrics
+            return codes, m.value("sidecar_connection_timeouts_total", kind="hello"), m.value("sidecar_connection_timeouts_total", kind="idle")
+
+    codes, hello, idle = run(body())
+    assert codes == [1008, 1008] and hello == 2 and idle == 1
+
+
 # Processes: `sidecar serve` and the example client --------------------------------------
 
 
