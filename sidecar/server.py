@@ -70,6 +70,9 @@ from .web import Web
 
 log = logging.getLogger("sidecar.server")
 
+# A token frame is segmented this many characters at a time, the event loop served between
+# slices: 1 MiB of "abc\n" (262,144 clauses) held every client's pings for 53.8 s (issue 33).
+TOKEN_SLICE_CHARS = 4096
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
@@ -371,8 +374,11 @@ class SidecarServer:
         self.metrics.frames.labels("in", kind).inc()
         s = conn.session
         try:
-            if isinstance(msg, p.Token):
-                self._queue(conn, s.on_token(msg.stream, msg.delta, now))
+            if isinstance(msg, p.Token):  # a long delta in slices, yielding between them: as if sent in smaller frames
+                for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:
+                    if lo:
+                        await asyncio.sleep(0)
+                    self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], now))
             elif isinstance(msg, p.User):
                 self._queue(conn, s.on_user(msg.stream, msg.text, now))
             elif isinstance(msg, p.End):

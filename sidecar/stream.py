@@ -52,7 +52,8 @@ class Segmenter:
         self.unchanged = 0  # longer spans of a clause not emitted: no content word gained
         self.total = 0  # characters fed so far: the next delta starts at this offset
         self.ended = False
-        self._buf = ""  # the current clause, from stream offset _base
+        self._buf = ""  # the current clause is _buf[_off:], from stream offset _base
+        self._off = 0  # clauses cut within one feed move this, not the text: a frame of many short clauses stays linear
         self._base = 0
         self._scan = 0  # _buf[:_scan] has been looked at
         self._term: int | None = None  # index of a terminator waiting for its whitespace
@@ -63,7 +64,7 @@ class Segmenter:
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._off
 
     def feed(self, delta: str) -> list[Span]:
         if self.ended:
@@ -73,9 +74,9 @@ class Segmenter:
         self.total += len(delta)
         i = self._scan
         while i < len(self._buf):
-            if i >= self.max_chars:  # checked first, so no branch below can skip it
-                space = self._buf.rfind(" ", self.max_chars // 2, i)
-                cut = space if space > 0 else i
+            if i - self._off >= self.max_chars:  # checked first, so no branch below can skip it
+                space = self._buf.rfind(" ", self._off + self.max_chars // 2, i)
+                cut = space if space > self._off else i
                 self._emit(cut, "limit", out)
                 i = self._rebase(cut)
                 continue
@@ -105,7 +106,10 @@ class Segmenter:
             else:
                 self._in_word = True
             i += 1
-        self._scan = i
+        off = self._off  # drop the clauses cut in this feed: one copy a feed, not one a clause
+        self._buf, self._scan, self._off = self._buf[off:], i - off, 0
+        if self._term is not None:
+            self._term -= off
         return out
 
     def end(self) -> list[Span]:
@@ -119,8 +123,8 @@ class Segmenter:
         return out
 
     def _emit(self, stop: int, reason: Reason, out: list[Span]) -> None:
-        """Append the clause `_buf[:stop]`, trimmed, unless it is too short or a repeat."""
-        raw = self._buf[:stop]
+        """Append the clause `_buf[_off:stop]`, trimmed, unless it is too short or a repeat."""
+        raw = self._buf[self._off : stop]
         text = raw.strip()
         if sum(ch.isalnum() for ch in text) < self.min_alnum:
             return
@@ -136,10 +140,10 @@ class Segmenter:
         out.append(Span(start, end, text, reason))
 
     def _rebase(self, at: int) -> int:
-        """Start a new clause at `_buf[at]`; returns the scan position in the new buffer."""
-        self._buf = self._buf[at:]
-        self._base += at
+        """Start a new clause at `_buf[at]`; returns the scan position."""
+        self._base += at - self._off
+        self._off = at
         self._term = None
         self._words = 0
         self._in_word = False
-        return 0
+        return at
