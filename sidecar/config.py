@@ -93,6 +93,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
     inject_margin: float = 0.05  # also inject runners-up within this relevance of the best
     max_inject_tools: int = 3
+    split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/asks.py)
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
     # many the sidecar stops reading its frames until the model thread takes them. A

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import models
 from .catalog import Catalog
+from .asks import split as split_asks
 from .config import Config, GateConfig
 from .gate import Decision, Timing
 from .metrics import MetricsStore, StringCaps
@@ -34,14 +35,19 @@ class Judgement(msgspec.Struct):
     decision: Decision
     ranked: Recommendations | None = None
     vector: np.ndarray | None = None  # the text's embedding by the main model (None: the screen settled it, or a pattern blocked it)
+    asks: list[Recommendation] = []  # a turn of several asks: the best tool of each further ask that needs one, in ask order
 
-    def inject(self, margin: float) -> list[Recommendation]:
-        """The tools to hand the model, best first: the top-ranked one and the runners-up
-        within `margin` of its score. Empty when the gate did not fire."""
+    def inject(self, margin: float, most: int | None = None) -> list[Recommendation]:
+        """The tools to hand the model: the top-ranked one and the runners-up within `margin`
+        of its score (at most `most` of them); for a turn of several asks, first the best tool of
+        each ask, in the order the asks come, then those. Each tool once. Empty when the gate did
+        not fire."""
         if not self.decision.fired or self.decision.tier is None or self.ranked is None or not self.ranked.results:
             return []
         bar = self.ranked.results[0].score - margin
-        return [r for r in self.ranked.results if r.score >= bar]
+        picks = [r for r in self.ranked.results if r.score >= bar][:most]
+        seen: set[str] = set()
+        return [r for r in [*self.asks, *picks] if r.tool not in seen and not seen.add(r.tool)]
 
     @property
     def first(self) -> str | None:
@@ -142,7 +148,25 @@ class Sidecar:
                 ctx = contexts[i] if contexts is not None else Context()
                 ranked = self.recommender.recommend(r.text, msgspec.structs.replace(ctx, source=r.source), top=top, query_vector=vector)
             out.append(Judgement(d, ranked, vector))
+        if self.cfg.server.split_asks:
+            self._rank_asks(requests, out, contexts)
         return out
+
+    def _rank_asks(self, requests: Sequence[Request], judged: list[Judgement], contexts: Sequence[Context] | None) -> None:
+        """Each fired user turn of several asks (`asks.split`): every ask is gated on its own
+        (one batched embedding for all of them) and the best tool of each ask that fires joins
+        the turn's inject. A reply clause is one ask already; a turn of one ask is untouched."""
+        todo: list[tuple[int, str]] = []
+        for i, (r, j) in enumerate(zip(requests, judged)):
+            if j.decision.fired and r.source == "user" and len(asks := split_asks(r.text)) > 1:
+                todo += [(i, a) for a in asks]
+        if not todo:
+            return
+        detected = self.detect_batch([Request(a, "user") for _, a in todo])
+        for (i, ask), d, vector in zip(todo, detected.decisions, detected.vectors):
+            if d.fired:
+                ctx = msgspec.structs.replace(contexts[i] if contexts is not None else Context(), source="user")
+                judged[i].asks.extend(self.recommender.recommend(ask, ctx, top=1, query_vector=vector).results[:1])
 
     def rank(self, request: Request, top: int = 10, *, vector: np.ndarray | None = None, context: Context | None = None,
              mode: str | None = None) -> Recommendations:  # fmt: skip

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import msgspec
+
 from sidecar import config as config_mod
 from sidecar import models, protocol as p, replay
 from sidecar.lab import evaluate
@@ -82,3 +84,26 @@ def test_detect_eval_replay_and_serve_inject_the_same_first_tool(tmp_path):
             await server.shutdown()
 
     assert asyncio.run(asyncio.wait_for(served(), BOUND_S)) == {t: first[t] for t in fired}
+
+
+def test_a_turn_of_several_asks_injects_a_tool_for_each(tmp_path):
+    """Issue 31: "search ..., then delete ..." needs two tools; each ask is gated and ranked on
+    its own and the inject holds both, in the order the asks come. A turn of one ask is judged
+    as before, and `server.split_asks = false` turns it off."""
+    from sidecar import asks
+
+    assert asks.split("search my notes for the kubernetes setup, then delete the note about groceries") == [
+        "search my notes for the kubernetes setup", "delete the note about groceries"]
+    assert asks.split("salt and pepper, please") == ["salt and pepper, please"]  # "and" before no request verb
+    assert asks.split("First, find my flight. Then book it. Finally, email me the receipt.") == [
+        "find my flight", "book it", "email me the receipt"]
+    overrides = {("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "notes.json")], ("store",): str(tmp_path / "s.db")}
+    engine = Sidecar.open(config_mod.load(env={}, overrides=overrides), progress=False, history=False)
+    two = "search my notes for the kubernetes setup, then delete the note about groceries"
+    [j] = engine.judge([Request(two)])
+    assert [r.tool for r in j.inject(0.05)][:2] == ["semantic_search", "delete_note"]
+    [one] = engine.judge([Request("search my notes for the kubernetes setup")])
+    assert one.asks == [] and [r.tool for r in one.inject(0.05)] == ["semantic_search"]
+    off = Sidecar(msgspec.structs.replace(engine.cfg, server=msgspec.structs.replace(engine.cfg.server, split_asks=False)), engine.pipeline, None, None)
+    [j_off] = off.judge([Request(two)])
+    assert j_off.asks == [] and len(j_off.inject(0.05)) < len(j.inject(0.05))

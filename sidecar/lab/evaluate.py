@@ -36,6 +36,8 @@ class Labeled(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     group: str | None = None  # what the text was written about (a server): `tune` holds a group out whole
     offered: list[str] | None = None  # judged against only these tools (BFCL's protocol); None: the whole catalog
     id: str | int | None = None  # the source set's own name for the item, kept for reading misses
+    calls: list[str] | None = None  # every tool the turn called, in order: the set an inject should hold
+    domain: str | None = None  # the source set's split (Seal-Tools: "in" / "out" of its tuning domains)
 
     @property
     def expected(self) -> frozenset[str]:
@@ -65,6 +67,8 @@ def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> li
                 raise LabeledError(f"{where}: expected tool(s) not in the catalog: {', '.join(unknown)}")
             if unknown := sorted(t for t in item.offered or () if catalog.get(t) is None):
                 raise LabeledError(f"{where}: offered tool(s) not in the catalog: {', '.join(unknown)}")
+            if unknown := sorted(t for t in set(item.calls or ()) if catalog.get(t) is None):
+                raise LabeledError(f"{where}: called tool(s) not in the catalog: {', '.join(unknown)}")
         if item.offered is not None and not item.expected <= set(item.offered):
             raise LabeledError(f"{where}: expected tool(s) not among the offered ones: {', '.join(sorted(item.expected - set(item.offered)))}")
         items.append(item)
@@ -233,6 +237,33 @@ class Report(msgspec.Struct):
     baselines: list[BaselineReport] = []  # computed in the same run, on the same items
     gate_baseline: GateBaseline | None = None  # one threshold on plain cosine, same items
     by_source: dict[str, SourceReport] = {}  # the same figures for user turns and reply clauses apart
+    sets: SetReport | None = None  # items with `calls`: the injected tools against every tool called
+    set_baselines: dict[str, SetReport] = {}
+
+
+class SetReport(msgspec.Struct):
+    """The tools injected against the set a turn called (items with `calls`), summed over items:
+    recall, the called tools that were injected; precision, the injected tools that were called;
+    exact, the share of items whose inject is the called set. A silent gate injects nothing."""
+
+    recall: float
+    precision: float
+    exact: float
+    injected_per_item: float
+    called_per_item: float
+    n: int
+
+
+def set_report(called: Sequence[Sequence[str]], injected: Sequence[Sequence[str]]) -> SetReport:
+    hits = want = given = exact = 0
+    for c, inj in zip(called, injected):
+        c, inj = set(c), list(dict.fromkeys(inj))
+        hits += len(c.intersection(inj))
+        want += len(c)
+        given += len(inj)
+        exact += c == set(inj)
+    n = len(called)
+    return SetReport(_rate(hits, want), _rate(hits, given), _rate(exact, n), _rate(given, n), _rate(want, n), n)
 
 
 class SourceReport(msgspec.Struct):
@@ -328,7 +359,7 @@ def each_offer(host, items: Sequence[Labeled]):
         yield (host if offered is None else host.with_catalog(offered, persist=False)), at
 
 
-def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline]:
+def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline, dict[int, list[str]]]:
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and
     parameter names; each item against the tools it is judged against."""
@@ -362,7 +393,7 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     gate = GateBaseline(auroc(best[pos], best[~pos]), float(balanced))
     out = [BaselineReport("cosine", ranking_report(positives, in_order(cosine)))]
     out += [BaselineReport(kind, ranking_report(positives, in_order(ranked))) for kind, ranked in lexical.items()]
-    return out, gate
+    return out, gate, cosine
 
 
 class Scored(msgspec.Struct):
@@ -373,6 +404,7 @@ class Scored(msgspec.Struct):
     first: list[str | None]
     ranker: list[list[str]]  # positives only, in item order
     ranked: list[list[str]]  # positives only: what would be injected, best first
+    injected: list[list[str]] = []  # every item: the tools `serve` would inject (none where the gate is silent)
 
 
 def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batch: int = 16) -> Scored:
@@ -388,6 +420,8 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
     first: list[str | None] = [None] * len(items)
     ranker: dict[int, list[str]] = {}
     ranked: dict[int, list[str]] = {}
+    injected: list[list[str]] = [[] for _ in items]
+    margin, most = engine.cfg.server.inject_margin, engine.cfg.server.max_inject_tools
     for own, at in each_offer(engine, items):
         for lo in range(0, len(at), batch):
             chunk = at[lo : lo + batch]
@@ -396,6 +430,7 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
                 decisions[j] = judgement.decision
                 tools = [r.tool for r in judgement.ranked.results]
                 first[j] = tools[0] if tools else None  # injected first, or would be had the gate fired
+                injected[j] = [r.tool for r in judgement.inject(margin, most)]
                 if items[j].positive:
                     ranked[j] = tools
                     ranker[j] = [c.tool for c in own.pipeline.rank_batch([request], k, judgement.vector)[0]]
@@ -403,7 +438,7 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
                 tick(len(chunk) + sum(items[j].positive for j in chunk))
     if bar is not None:
         bar.close()
-    return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)])  # type: ignore[arg-type]
+    return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)], injected)  # type: ignore[arg-type]
 
 
 def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 10) -> Report:
@@ -412,7 +447,14 @@ def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 1
     pipe = engine.pipeline
     positives = [i for i in items if i.positive]
     decisions = scored.decisions
-    base, gate_base = baselines(pipe, items, k)
+    base, gate_base, cosine = baselines(pipe, items, k)
+    with_calls = [j for j, i in enumerate(items) if i.calls]
+    sets, set_base = None, {}
+    if with_calls:
+        called = [items[j].calls for j in with_calls]
+        sets = set_report(called, [scored.injected[j] for j in with_calls])
+        set_base = {"cosine top-k (k = tools called)": set_report(called, [cosine.get(j, [])[: len(set(c))] for j, c in zip(with_calls, called)]),
+                    "cosine top-3": set_report(called, [cosine.get(j, [])[:3] for j in with_calls])}  # fmt: skip
     return Report(
         n=len(items),
         model=pipe.embedder.name + (" +task-prefixes" if pipe.embedder.prefixes else ""),
@@ -427,6 +469,8 @@ def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 1
         baselines=base,
         gate_baseline=gate_base,
         by_source=by_source(items, decisions, scored.first, scored.ranked),
+        sets=sets,
+        set_baselines=set_base,
     )
 
 
@@ -456,19 +500,22 @@ class Outcome(msgspec.Struct, omit_defaults=True):
     kind: str | None = None
     group: str | None = None
     id: str | int | None = None
+    injected: list[str] = []  # what `serve` would inject (none where the gate is silent)
+    calls: list[str] | None = None
 
 
 def outcomes(items: Sequence[Labeled], scored: Scored) -> list[Outcome]:
     ranked = iter(scored.ranked)
     out = []
-    for item, d, first in zip(items, scored.decisions, scored.first):
+    for item, d, first, injected in zip(items, scored.decisions, scored.first, scored.injected):
         if item.positive:
             order = next(ranked)
             verdict = ("right" if first in item.expected else "wrong_tool") if d.fired else "missed"
             rank, expect, top = ranking.first_hit(order, item.expected), sorted(item.expected), order[:3]
         else:
             rank, verdict, expect, top = None, "false_fire" if d.fired else "silent", None, []
-        out.append(Outcome(item.text, item.source, verdict, d.fired, d.score, d.path, expect, first, rank, top, item.kind, item.group, item.id))
+        out.append(Outcome(item.text, item.source, verdict, d.fired, d.score, d.path, expect, first, rank, top, item.kind, item.group, item.id,
+                           injected, item.calls))  # fmt: skip
     return out
 
 
@@ -491,6 +538,12 @@ def describe(r: Report) -> str:
                      f"top1 {b.ranking.top1:.1%}  MRR {b.ranking.mrr:.3f}  ({b.gate.positives} need a tool, {b.gate.negatives} do not)")
     if r.gate_baseline is not None:
         lines.append(f"cosine   gate AUROC {r.gate_baseline.auroc:.3f}  best balanced {r.gate_baseline.best_balanced_accuracy:.1%}  (baseline: one threshold on plain cosine)")
+    if r.sets is not None:
+        t = r.sets
+        lines.append(f"sets     recall {t.recall:.1%}  precision {t.precision:.1%}  exact {t.exact:.1%}  "
+                     f"({t.injected_per_item:.2f} injected, {t.called_per_item:.2f} called per item, {t.n} items with calls)")
+        for name, b in r.set_baselines.items():
+            lines.append(f"  {name}: recall {b.recall:.1%}  precision {b.precision:.1%}  exact {b.exact:.1%}  (baseline)")
     for b in r.baselines:
         c = b.ranking
         lines.append(f"{b.kind:<8} top1 {c.top1:.1%}  top3 {c.top3:.1%}  MRR {c.mrr:.3f}  nDCG@10 {c.ndcg_at_10:.3f}  coverage {c.coverage:.1%}  (baseline)")

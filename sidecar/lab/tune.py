@@ -365,7 +365,7 @@ def judge_heldout(engine: Sidecar, held: Sequence[Labeled], vectors: np.ndarray,
     scored = score(engine, held)
     g = gate_report(held, scored.decisions, scored.first)
     r = ranking_report([i for i in held if i.positive], scored.ranked)
-    ranked, cosine_gate = baselines(engine.pipeline, held)
+    ranked, cosine_gate, _ = baselines(engine.pipeline, held)
     base = {b.kind: b.ranking.top1 for b in ranked}
     cosines = Offers(engine.pipeline, held).only_offered(vectors @ description_vectors(engine.pipeline).T)
     p = simple(simple_gate_features(cosines, vectors))
