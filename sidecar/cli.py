@@ -31,6 +31,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--catalog", metavar="FILE", action="append", help="MCP tools/list JSON file, or a dir of them; repeat to merge several (as server__tool)")
     p.add_argument("--model", metavar="NAME|PATH", help=f"embedding model (default {models.DEFAULT_MODEL}; NAME:q8_0 for a quantised variant; see `sidecar model list`)")
     p.add_argument("--calibration", metavar="FILE", help="thresholds fitted by `sidecar tune`")
+    p.add_argument("--task-prefixes", choices=("auto", "on", "off"), help="the model's task prefixes (nomic: search_query: / "
+                   "search_document:); auto (default): what the calibration in force was fitted with")
     p.add_argument("--store", metavar="PATH", help="SQLite file or postgresql:// URL (default: a SQLite file in the XDG data dir; env SIDECAR_STORE)")
     p.add_argument("--patterns", metavar="DIR", help="pattern directory (lists.txt, negative.txt, high.txt)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr (loading, indexing, judging)")
@@ -47,6 +49,7 @@ def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | Non
         overrides={
             ("catalogs",): args.catalog,
             ("model", "name"): args.model,
+            ("model", "task_prefixes"): args.task_prefixes,
             ("calibration",): args.calibration,
             ("store",): args.store,
             ("gate", "patterns"): args.patterns,

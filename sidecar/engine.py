@@ -39,15 +39,16 @@ class Judgement(msgspec.Struct):
 
     def inject(self, margin: float, most: int | None = None) -> list[Recommendation]:
         """The tools to hand the model: the top-ranked one and the runners-up within `margin`
-        of its score (at most `most` of them); for a turn of several asks, first the best tool of
-        each ask, in the order the asks come, then those. Each tool once. Empty when the gate did
-        not fire."""
+        of its score (at most `most` of them), then, for a turn of several asks, the best tool
+        of each ask in the order the asks come. Each tool once; the turn's own best stays first,
+        so a turn split where it asks one thing ("open the file and show me what is in it")
+        loses nothing. Empty when the gate did not fire."""
         if not self.decision.fired or self.decision.tier is None or self.ranked is None or not self.ranked.results:
             return []
         bar = self.ranked.results[0].score - margin
         picks = [r for r in self.ranked.results if r.score >= bar][:most]
         seen: set[str] = set()
-        return [r for r in [*self.asks, *picks] if r.tool not in seen and not seen.add(r.tool)]
+        return [r for r in [*picks, *self.asks] if r.tool not in seen and not seen.add(r.tool)]
 
     @property
     def first(self) -> str | None:

@@ -101,7 +101,8 @@ def test_a_turn_of_several_asks_injects_a_tool_for_each(tmp_path):
     engine = Sidecar.open(config_mod.load(env={}, overrides=overrides), progress=False, history=False)
     two = "search my notes for the kubernetes setup, then delete the note about groceries"
     [j] = engine.judge([Request(two)])
-    assert [r.tool for r in j.inject(0.05)][:2] == ["semantic_search", "delete_note"]
+    assert {"semantic_search", "delete_note"} <= {r.tool for r in j.inject(0.05)}
+    assert [r.tool for r in j.asks] == ["semantic_search", "delete_note"]  # each ask's best, in the order they come
     [one] = engine.judge([Request("search my notes for the kubernetes setup")])
     assert one.asks == [] and [r.tool for r in one.inject(0.05)] == ["semantic_search"]
     off = Sidecar(msgspec.structs.replace(engine.cfg, server=msgspec.structs.replace(engine.cfg.server, split_asks=False)), engine.pipeline, None, None)
