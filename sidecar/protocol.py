@@ -255,6 +255,7 @@ def decode_client(frame: str | bytes) -> ClientMessage:
 _ESCAPE = re.compile(r"\\.", re.S)
 _STRING = re.compile(r'"[^"]*"')
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 _SQUARE = str.maketrans("{}", "[]")
 
 
@@ -298,6 +299,9 @@ def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
     except RecursionError:
         return ProtocolError("bad_json", "malformed JSON: nested too deeply")
     except (msgspec.DecodeError, ValueError) as e:
+        text = frame if isinstance(frame, str) else bytes(frame).decode("utf-8", "replace")
+        if "truncated" in str(e) and _LONE_SURROGATE.search(text):  # msgspec says "truncated" of a lone surrogate escape
+            return ProtocolError("bad_json", "malformed JSON: a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair) is no character")
         return ProtocolError("bad_json", f"malformed JSON: {e}")
     ref = _ref_of(env.ref)
     if not env.type:

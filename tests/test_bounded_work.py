@@ -60,3 +60,14 @@ def test_derived_cases_of_ordinary_descriptions_are_unchanged():
                             "Use this tool when you need to examine a file: handles UTF-8. See [the docs](https://x.y/(a)).",
                             "inputSchema": {"type": "object"}}, Tool)  # fmt: skip
     assert cases.derive(tool)[:2] == ["read text file", "read the complete contents of a file from the file system"]
+
+
+def test_a_lone_surrogate_is_named_not_called_truncated():
+    """Issue 33 item 7: "\\ud800" alone used to be reported as "Input data was truncated"."""
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode_client('{"type":"user","stream":"a","text":"x\\ud800y"}')
+    assert e.value.code == "bad_json" and "surrogate" in e.value.message and "truncated" not in e.value.message
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode_client('{"type":"user","stream":"a","text":"abc')
+    assert "truncated" in e.value.message  # a frame that really ends early still says so
+    assert p.decode_client('{"type":"user","stream":"a","text":"\\ud83d\\ude00"}').text == "\U0001F600"
