@@ -18,8 +18,8 @@ import msgspec
 import numpy as np
 
 from . import models
-from .catalog import Catalog
 from .asks import split as split_asks
+from .catalog import Catalog
 from .config import Config, GateConfig
 from .gate import Decision, Timing
 from .metrics import MetricsStore, StringCaps

@@ -149,11 +149,15 @@ class Pipeline:
                     self.own[key] = own
         return built
 
+    def own_for(self, source: str) -> OwnFit | None:
+        """What the catalog fitted of itself in the index `source` texts are judged against."""
+        return self.own.get(str(self.strategies[source]))
+
     @property
     def thresholds_in_force(self) -> tuple[Thresholds, str]:
         """The thresholds a user turn is held to, and where they came from: the catalog's own
         gate where it fitted one, else the calibration's."""
-        own = self.own.get(str(self.strategies["user"]))
+        own = self.own_for("user")
         return (own.gate.thresholds, self.thresholds_origin + "+self-fit") if own else (self.thresholds, self.thresholds_origin)
 
     def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:
@@ -190,7 +194,7 @@ class Pipeline:
             logits = index.logits(vectors[rows])
             lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
             features = rank_features(cosine, lex, cases, logits)
-            own = self.own.get(str(self.strategies[source]))
+            own = self.own_for(source)
             scores = (own.ranker if own else self.ranker).score(features)
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
@@ -222,11 +226,14 @@ class Pipeline:
         live = [requests[i] for i in todo]
         views = self.views(live, embedded.vectors)
         candidates = {i: self._top(v.scores[0], v.index, q, self.top_k) for i, v, q in zip(todo, views, embedded.vectors)}
-        confidence = dict(zip(todo, self.confidence(live, embedded.vectors, views, [routes[i] for i in todo])))
-        owns = {i: self.own.get(str(self.strategies[requests[i].source])) for i in todo}
+        owns = {i: self.own_for(requests[i].source) for i in todo}
+        confidence: dict[int, float | None] = {}
         for i, v in zip(todo, views):
             if (own := owns[i]) is not None:  # the catalog's own gate decides
                 confidence[i] = float(own.gate.probability(v.logits)[0])
+        rest = [k for k, i in enumerate(todo) if owns[i] is None]  # the gate head judges the others, and only them
+        head = self.confidence([live[k] for k in rest], embedded.vectors[rest], [views[k] for k in rest], [routes[todo[k]] for k in rest])
+        confidence.update(zip([todo[k] for k in rest], head))
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
