@@ -4,6 +4,7 @@ builds a Config, calls the library, and prints; nothing here decides anything.""
 from __future__ import annotations
 
 import argparse
+import math
 import collections
 import os
 import pathlib
@@ -103,6 +104,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     engine = Sidecar.open(cfg, progress=not args.quiet)
+    if args.traffic or args.reset_traffic or args.logs:
+        return _learn_traffic(args, engine)
     rows = engine.history.feedback()
     samples = learn.samples_from_feedback(engine.recommender, rows)
     if not samples:
@@ -118,6 +121,41 @@ def cmd_learn(args: argparse.Namespace) -> int:
     print("[recommend.weights]  # put in the config to use them")
     for name, value in msgspec.structs.asdict(result.weights).items():
         print(f"{name} = {value:.3f}")
+    return 0
+
+
+def _learn_traffic(args: argparse.Namespace, engine) -> int:
+    """`learn --traffic`: the examples the server recorded (and those read from chat logs with
+    `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
+    from .traffic import TrafficFit, TrafficLog, transcript_turns
+    from .transcripts import read_transcripts
+
+    lc = engine.cfg.learn
+    tlog = TrafficLog(engine.store, engine.pipeline.embedder.identity, lc.max_examples, lc.session_share)
+    if args.reset_traffic:
+        print(f"forgot {tlog.reset()} traffic examples")
+        return 0
+    if args.logs:
+        turns = transcript_turns(read_transcripts(args.logs, engine.catalog))
+        vectors = engine.pipeline.queries.embed(engine.pipeline.embedder, [t.text for t in turns]).vectors
+        for t, v in zip(turns, vectors):
+            t.vector = v
+        kept = tlog.add([e for t in turns for e in t.examples("log:" + t.ref.rsplit(":", 1)[0])])
+        print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
+    summary = tlog.summary()
+    lesson, outcome = TrafficFit().fit(engine.pipeline, tlog.examples())
+    if args.json:
+        _print_json({"examples": summary, "fit": outcome, "in_use": lesson is not None})
+        return 0
+    print(f"{summary['called']} turns followed by a call, {summary['silent']} by none, from {summary['sessions']} sessions")
+    for tool, n in list(summary["tools"].items())[:10]:
+        print(f"  {n:5d}  {tool}")
+    cal, got = outcome.calibration, outcome.learned
+    if outcome.reason and lesson is None and math.isnan(cal.recall):
+        print(f"nothing learned: {outcome.reason}")
+    else:
+        print(f"out of fold: first tool right and fired {cal.recall:.1%} -> {got.recall:.1%}, precision {cal.precision:.1%} -> {got.precision:.1%}"
+              f" ({'the server uses it' if lesson is not None else outcome.reason})")  # fmt: skip
     return 0
 
 
@@ -451,8 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 
-    p = sub.add_parser("learn", help="fit the recommender's weights to the feedback the server recorded on its injects")
+    p = sub.add_parser("learn", help="fit the recommender's weights to feedback; --traffic: what the server learns from its traffic")
     _common(p)
+    p.add_argument("--traffic", action="store_true", help="show the user turns recorded to learn from and what learning from them does now")
+    p.add_argument("--from", dest="logs", nargs="+", metavar="LOG", help="add the turns of chat logs (OpenAI, Anthropic, ours) to those examples")
+    p.add_argument("--reset-traffic", action="store_true", help="forget every recorded traffic example")
     p.add_argument("--heldout-fraction", type=float, default=0.3, metavar="F", help="share of feedback kept out of fitting, to report (default 0.3)")
     p.add_argument("--json", action="store_true", help='print {"samples", "feedback", "result"}')
     p.set_defaults(func=cmd_learn)

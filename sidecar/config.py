@@ -204,6 +204,26 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"recommend.rate_limit_calls={self.rate_limit_calls} must be at least 1 (or unset)")
 
 
+class LearnConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """`sidecar serve` learning from its traffic (sidecar/traffic.py): each user turn on the
+    server's catalog with the tools called after it (`tool_result`), or none, is an example;
+    the catalog refits its lesson as they arrive and uses it only when it judges them better
+    out of fold than the calibration alone."""
+
+    traffic: bool = True  # record examples and learn from them; false: neither
+    max_examples: int = 5000  # kept in the store, the oldest dropped first (about 1.6 KB each with nomic)
+    session_share: float = 0.1  # of max_examples one connection may hold: no one client steers the lesson
+    refit_every: int = 50  # new examples between refits (a refit is numpy, off the model thread)
+
+    def __post_init__(self) -> None:
+        if not 20 <= self.max_examples <= 100_000:
+            raise ValueError(f"learn.max_examples={self.max_examples} must be within 20..100000")
+        if not 0 < self.session_share <= 1:
+            raise ValueError(f"learn.session_share={self.session_share} must be within (0, 1]")
+        if not 1 <= self.refit_every <= 100_000:
+            raise ValueError(f"learn.refit_every={self.refit_every} must be within 1..100000")
+
+
 class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):
     """A cheap first stage: the `screen` model (with its built-in calibration) settles the
     texts it is sure need no tool, so only the rest reach the main model (sidecar/engine.py; its cutoff is fitted by `sidecar cascade`)."""
@@ -232,6 +252,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     recommend: RecommendConfig = msgspec.field(default_factory=RecommendConfig)
     cascade: CascadeConfig = msgspec.field(default_factory=CascadeConfig)
+    learn: LearnConfig = msgspec.field(default_factory=LearnConfig)
     catalogs: list[str] = []
     store: str | None = None  # SQLite file (default: XDG data dir) or postgresql://user@host/db (shared by replicas)
     calibration: str | None = None  # file written by `sidecar tune`

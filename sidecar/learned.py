@@ -193,6 +193,11 @@ class RankerFit(msgspec.Struct, frozen=True):
     lr: float = 0.5
 
     def fit(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None) -> Ranker:
+        return Ranker(self.weights(features, targets, offered))
+
+    def weights(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None) -> tuple[float, ...]:
+        """The weights alone, one per view given (more views than RANK_FEATURES: learning from
+        traffic adds one; an extra view starts at 0)."""
         n, tools, k = features.shape
         shut = _shut(offered)
         y = _target_mass(targets, n, tools)
@@ -208,7 +213,7 @@ class RankerFit(msgspec.Struct, frozen=True):
             return [np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + self.l2 * w]
 
         adam([w], gradients, self.iters, self.lr)
-        return Ranker(tuple(round(float(x) / TEMPERATURE, 5) for x in w))
+        return tuple(round(float(x) / TEMPERATURE, 5) for x in w)
 
 
 def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:

@@ -29,11 +29,12 @@ from .config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Route, Thresholds, Timing, decide, route
 from .index import ToolIndex
-from .learned import GATE_SCALARS, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
+from .learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from .selffit import OwnFit, own_fit
 from .store import Store, open_store
+from .traffic import Learned
 
 SOURCES = ("user", "llm")
 
@@ -127,6 +128,7 @@ class Pipeline:
         self.examples = examples  # labelled requests a classifier over own cases learns from too
         self.self_fit = self_fit  # a catalog with own cases fits its own ranker and gate (sidecar/selffit.py)
         self.own: dict[str, OwnFit] = {}  # by index strategy
+        self.learned: Learned | None = None  # what user turns taught (sidecar/traffic.py): applied to user texts
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog, progress=progress)
 
@@ -156,9 +158,18 @@ class Pipeline:
     @property
     def thresholds_in_force(self) -> tuple[Thresholds, str]:
         """The thresholds a user turn is held to, and where they came from: the catalog's own
-        gate where it fitted one, else the calibration's."""
+        gate where it fitted one, else the calibration's; with a bar learned from traffic, that."""
         own = self.own_for("user")
-        return (own.gate.thresholds, self.thresholds_origin + "+self-fit") if own else (self.thresholds, self.thresholds_origin)
+        t, origin = (own.gate.thresholds, self.thresholds_origin + "+self-fit") if own else (self.thresholds, self.thresholds_origin)
+        if self.learned is not None and self.learned.bar is not None:
+            return self.learned.thresholds(t), origin + "+traffic"
+        return t, origin
+
+    def _thresholds(self, source: str) -> Thresholds:
+        if source == "user":
+            return self.thresholds_in_force[0]
+        own = self.own_for(source)
+        return own.gate.thresholds if own else self.thresholds
 
     def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:
         """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
@@ -180,9 +191,11 @@ class Pipeline:
             vectors = self.queries.embed(self.embedder, [r.text for r in requests]).vectors
         return [self._top(v.scores[0], v.index, q, k) for v, q in zip(self.views(requests, vectors), vectors)]
 
-    def views(self, requests: Sequence[Request], vectors: np.ndarray) -> list[Views]:
+    def views(self, requests: Sequence[Request], vectors: np.ndarray, exclude_self: bool = False) -> list[Views]:
         """Every tool's per-view scores and the ranker's blend, per request (each against
-        the index of its source's strategy)."""
+        the index of its source's strategy). A lesson from traffic adds, for user turns, the
+        turns that called each tool: to the cases view, and as a view of its own that its
+        ranker weighs. `exclude_self`: a text that is one of those turns is not its own case."""
         out: list[Views | None] = [None] * len(requests)
         bm25 = np.vstack([self.lexical.scores(r.text) for r in requests]) if requests else np.zeros((0, len(self.catalog)))
         for source in SOURCES:
@@ -193,12 +206,21 @@ class Pipeline:
             cosine, cases = index.views(adapt(vectors[rows], self._adapter))
             logits = index.logits(vectors[rows])
             lex = bm25[rows]  # an index keeps catalog order, as the lexical index does
+            learned = self.learned if source == "user" else None
+            if learned is not None:
+                seen = learned.cases(vectors[rows], index.names, exclude_self)
+                cases = np.maximum(cases, seen)
             features = rank_features(cosine, lex, cases, logits)
-            own = self.own_for(source)
-            scores = (own.ranker if own else self.ranker).score(features)
+            if learned is not None:
+                features = np.concatenate([features, np.maximum(seen, 0.0)[..., None]], axis=-1)
+            if learned is not None and learned.weights is not None:
+                scores = features @ learned.weights
+            else:
+                own = self.own_for(source)
+                scores = (own.ranker if own else self.ranker).score(features[..., : len(RANK_FEATURES)])
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
-                               None if logits is None else logits[j : j + 1])  # fmt: skip
+                               None if logits is None else logits[j : j + 1], features[j])  # fmt: skip
         return out  # type: ignore[return-value]
 
     @staticmethod
@@ -224,16 +246,8 @@ class Pipeline:
         embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
         t_embed = time.perf_counter()
         live = [requests[i] for i in todo]
-        views = self.views(live, embedded.vectors)
-        candidates = {i: self._top(v.scores[0], v.index, q, self.top_k) for i, v, q in zip(todo, views, embedded.vectors)}
-        owns = {i: self.own_for(requests[i].source) for i in todo}
-        confidence: dict[int, float | None] = {}
-        for i, v in zip(todo, views):
-            if (own := owns[i]) is not None:  # the catalog's own gate decides
-                confidence[i] = float(own.gate.probability(v.logits)[0])
-        rest = [k for k, i in enumerate(todo) if owns[i] is None]  # the gate head judges the others, and only them
-        head = self.confidence([live[k] for k in rest], embedded.vectors[rest], [views[k] for k in rest], [routes[todo[k]] for k in rest])
-        confidence.update(zip([todo[k] for k in rest], head))
+        _, ranked, probability = self.scored(live, embedded.vectors, [routes[i] for i in todo])
+        candidates, confidence = dict(zip(todo, ranked)), dict(zip(todo, probability))
         t_cos = time.perf_counter()
         n = len(requests)
         share = Timing(
@@ -246,12 +260,37 @@ class Pipeline:
         for i, (r, s) in enumerate(zip(requests, routes)):
             timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
             timing.total = timing.regex + timing.embed + timing.cosine
-            own = owns.get(i)
-            d = decide(r.text, r.source, s, candidates.get(i, []), own.gate.thresholds if own else self.thresholds, timing, confidence.get(i))
+            d = decide(r.text, r.source, s, candidates.get(i, []), self._thresholds(r.source), timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
         rows = dict(zip(todo, embedded.vectors))
         return Detected(out, [rows.get(i) for i in range(n)])
+
+    def scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
+        """Embedded, unblocked requests' views, ranked candidates and gate probability: the
+        catalog's own gate where it fitted one, else the gate head (None without either)."""
+        views = self.views(requests, vectors)
+        candidates = [self._top(v.scores[0], v.index, q, self.top_k) for v, q in zip(views, vectors)]
+        owns = [self.own_for(r.source) for r in requests]
+        confidence: list[float | None] = [None if o is None else float(o.gate.probability(v.logits)[0]) for o, v in zip(owns, views)]
+        rest = [k for k, o in enumerate(owns) if o is None]  # the gate head judges the others, and only them
+        head = self.confidence([requests[k] for k in rest], vectors[rest], [views[k] for k in rest], [routes[k] for k in rest])
+        for k, c in zip(rest, head):
+            confidence[k] = c
+        return views, candidates, confidence
+
+    def probabilities(self, requests: Sequence[Request], vectors: np.ndarray) -> tuple[np.ndarray, list[str | None]]:
+        """Texts already embedded: each one's gate probability (the best tool's match without a
+        gate head; 0 when a pattern blocks it) and best tool. What learning from traffic scores."""
+        routes = [self.route(r) for r in requests]
+        _, ranked, confidence = self.scored(requests, vectors, routes)
+        p = [0.0 if s.blocked else (c if c is not None else (r[0].score if r else 0.0)) for s, r, c in zip(routes, ranked, confidence)]
+        return np.array(p, float), [r[0].tool if r else None for r in ranked]
+
+    @property
+    def bar_in_force(self) -> float:
+        """What a user turn on no pattern's path must reach to fire."""
+        return self.thresholds_in_force[0].fallback
 
     def route(self, request: Request) -> Route:
         """What the patterns say of a text. A negative match blocks, unless the gate head was
@@ -264,7 +303,17 @@ class Pipeline:
         """The gate head's probability that each text needs a tool (None without a head)."""
         if self.head is None or not requests:
             return [None] * len(requests)
-        return self.head.probability(self.gate_inputs(requests, vectors, views, routes, self._exemplars)).tolist()
+        known = self._exemplars if self.learned is None else self._known_with(self.learned)
+        return self.head.probability(self.gate_inputs(requests, vectors, views, routes, known)).tolist()
+
+    def _known_with(self, learned: Learned) -> Known:
+        """The head's exemplars and the turns learned from, decoded once per lesson."""
+        if self._known_cache[0] is not learned:
+            base = self._exemplars
+            flags = lambda a, n: None if a is None else np.concatenate([a, np.zeros(n, bool)])  # noqa: E731  (a user turn: no pattern path)
+            self._known_cache = (learned, Known(np.vstack([base.tool, learned.called]), np.vstack([base.none, learned.silent]),
+                                                flags(base.tool_high, len(learned.called)), flags(base.none_high, len(learned.silent))))  # fmt: skip
+        return self._known_cache[1]
 
     @property
     def ranker(self) -> Ranker:
@@ -283,6 +332,7 @@ class Pipeline:
     def head(self, head: GateHead | None) -> None:
         self._head = head
         self._exemplars = head.exemplars.arrays() if head is not None else None  # decoded once
+        self._known_cache: tuple[Learned | None, Known | None] = (None, None)
         self._weigh_negatives = head is not None and "negative" in head.features
 
     def gate_inputs(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], routes,
@@ -321,6 +371,7 @@ class Views(msgspec.Struct):
     cases: np.ndarray
     bm25: np.ndarray
     logits: np.ndarray | None = None  # the index's classifier, if it has one
+    features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

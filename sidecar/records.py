@@ -38,6 +38,8 @@ class Records:
         if self.server.history is None:
             raise p.ProtocolError("store_failed", "this sidecar has no store")
         if isinstance(msg, p.ToolResult):
+            if s.turns is not None:
+                s.turns.called(msg.tool)
             write = functools.partial(self._store_call, conn, msg)
         else:
             write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref)

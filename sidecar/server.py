@@ -53,6 +53,8 @@ from .mcp.config import McpConfig
 from .mcp.connections import ConnectionManager
 from .mcp.live import LiveCatalog, go_live
 from .pending import Pending
+from .learner import Learner
+from .traffic import Turns
 from .records import Records
 from .session import (
     Evaluation,
@@ -214,6 +216,7 @@ class SidecarServer:
         self._servers: ConnectionManager | None = None
         self.limits = cfg.server
         self.engine: Sidecar | None = None
+        self.learner: Learner | None = None  # learning from traffic ([learn] traffic), set with the engine
         self._given = engine
         self.catalog = catalog
         self.store = store if store is not None else getattr(engine, "store", None)
@@ -308,6 +311,9 @@ class SidecarServer:
         if engine.history is not None:
             await asyncio.to_thread(engine.history.rollup_if_due)
             self._tasks.append(asyncio.create_task(self._rollups()))
+        if self.cfg.learn.traffic and engine.store is not None:
+            self.learner = Learner(engine, self.cfg.learn, self.metrics)
+            self.learner.refit()  # what earlier runs recorded, in the background
         self.engine = engine  # last: a non-None engine means ready
 
     async def _rollups(self) -> None:
@@ -354,6 +360,8 @@ class SidecarServer:
                 del self._ending[key]
             self._backlogged.discard(conn)
             conn.stop()
+            if conn.session.turns is not None and self.learner is not None:
+                self.learner.add(list(filter(None, [conn.session.turns.close()])), conn.id)
 
     async def _on_frame(self, conn: Connection, frame: str | bytes) -> None:
         """Answer one frame. Never raises: an exception escaping here would close the
@@ -381,6 +389,9 @@ class SidecarServer:
                     self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], now))
             elif isinstance(msg, p.User):
                 self._queue(conn, s.on_user(msg.stream, msg.text, now))
+                if s.resolved and self.learner is not None:
+                    self.learner.add(s.resolved, conn.id)
+                s.resolved = []
             elif isinstance(msg, p.End):
                 self._queue(conn, s.on_end(msg.stream, now))
                 self._end(conn, msg.stream)
@@ -412,6 +423,8 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
+        if own is None and self.learner is not None:  # the server's catalog: what its lesson is for
+            conn.session.turns = Turns()
         conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
 
     async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
@@ -529,6 +542,8 @@ class SidecarServer:
         conn = self.connections.get(ev.owner)
         if conn is None:
             return
+        if ev.source == "user" and ev.owner.turns is not None:
+            ev.owner.turns.embedded(ev.text, v.judgement.vector)
         inject = inject_for(v, self.limits.inject_margin)
         if inject is not None:
             self.metrics.injections.labels(inject.tier).inc()
@@ -570,6 +585,8 @@ class SidecarServer:
             await asyncio.wait(flushes, timeout=max(0.1, deadline - time.monotonic()))
         self._ws.close(close_connections=True)  # 1001 going away
         await self._ws.wait_closed()
+        if self.learner is not None:
+            await asyncio.wait_for(self.learner.drain(), max(0.1, deadline - time.monotonic()))
         for t in self._tasks:
             t.cancel()
         for c in list(self.connections.values()):

@@ -25,6 +25,7 @@ from .pipeline import Request
 from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo
 from .recommend.filters import Context, Permissions
 from .stream import Segmenter, Span
+from .traffic import Turn, Turns
 
 if TYPE_CHECKING:
     from .engine import Judgement, Sidecar
@@ -104,6 +105,8 @@ class Session:
         # per injected tool, the ranking it was offered in and the span that caused it: what a
         # later `feedback` on that tool is recorded against (so `sidecar learn` has candidates)
         self.offered: OrderedDict[str, tuple[list[str], str]] = OrderedDict()
+        self.turns: Turns | None = None  # user turns paired with the calls after them (the server's catalog only: learning from traffic)
+        self.resolved: list[Turn] = []  # turns `turns` resolved, for the server to record
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
         self._open = 0
 
@@ -135,6 +138,8 @@ class Session:
         if not stripped:
             return []
         start = len(text) - len(text.lstrip())
+        if self.turns is not None and (done := self.turns.turn(stripped)) is not None:
+            self.resolved.append(done)
         return [Evaluation(self, self.scope, state, stripped, start, start + len(stripped), "user", received, object(), turn_chars=len(text))]
 
     def on_token(self, stream: str, delta: str, received: float) -> list[Evaluation]:

@@ -47,6 +47,10 @@ class Metrics:
         self.events = Counter("sidecar_events", "tool_result / feedback records committed.", ("kind",), registry=r)
         self.unchanged = Counter("sidecar_spans_unchanged", "Longer spans of a growing clause not judged: no content word gained.",
                                  registry=r)  # fmt: skip
+        self.traffic = Counter("sidecar_traffic_examples", "User turns recorded to learn from: called (a tool followed) or silent (none did).",
+                               ("kind",), registry=r)  # fmt: skip
+        self.refits = Counter("sidecar_refits", "Refits from traffic: swapped (the lesson is in use) or kept (it did not judge better).",
+                              ("outcome",), registry=r)  # fmt: skip
         self.load = Gauge("sidecar_model_load_seconds", "Time to load the model and build the index.", registry=r)
         self.load_seconds = 0.0
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds

@@ -18,6 +18,7 @@ from .. import jsonl, ranking
 from ..catalog import Catalog
 from ..gate import Decision
 from ..ranking import percentiles
+from ..traffic import transcript_turns
 
 if TYPE_CHECKING:
     from ..engine import Sidecar
@@ -80,20 +81,10 @@ def read_labeled(path: str | pathlib.Path, catalog: Catalog | None = None) -> li
 def from_transcripts(conversations: Sequence[Conversation]) -> list[Labeled]:
     """Chat logs as labelled data (`tune --transcripts`): each user turn expects the tools the
     model called before the next user turn, in the order first called, or none where it called
-    none. Free labels from traffic every chat app already keeps; a turn with empty text is left out."""
-    items: list[Labeled] = []
-    for conv in conversations:
-        turn: str | None = None
-        called: list[str] = []
-        for k, m in enumerate([*conv.messages, None]):
-            if m is None or m.role == "user":
-                if turn is not None and turn.strip():
-                    expect = None if not called else called[0] if len(called) == 1 else list(called)
-                    items.append(Labeled(turn, expect, "user", id=f"{conv.id}:{at}"))
-                turn, called, at = (None, [], k) if m is None else (m.content, [], k)
-            elif m.role == "assistant" and turn is not None:
-                called.extend(c.name for c in m.tool_calls or () if c.name not in called)
-    return items
+    none (`traffic.transcript_turns`, the pairing the server learns from). Free labels from
+    traffic every chat app already keeps; a turn with empty text is left out."""
+    return [Labeled(t.text, None if not t.calls else t.calls[0] if len(t.calls) == 1 else list(t.calls), "user", id=t.ref)
+            for t in transcript_turns(conversations)]  # fmt: skip
 
 
 def against_whole_catalog(items: Sequence[Labeled], command: str) -> Sequence[Labeled]:

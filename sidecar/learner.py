@@ -1,0 +1,90 @@
+"""The server's side of learning from traffic (sidecar/traffic.py holds the rules): resolved
+turns go to the store on a store thread, and every `refit_every` new examples the catalog's
+lesson is refitted on a worker thread (numpy only: the model thread keeps judging) and swapped
+into the engine's pipeline when it passes (`TrafficFit`). One refit at a time; examples that
+arrive during one count towards the next."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .config import LearnConfig
+from .traffic import Outcome, TrafficFit, TrafficLog, Turn
+
+if TYPE_CHECKING:
+    from .engine import Sidecar
+    from .telemetry import Metrics
+
+log = logging.getLogger("sidecar.server")
+
+
+class Learner:
+    def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit = TrafficFit()):
+        assert engine.store is not None
+        self.engine = engine
+        self.log = TrafficLog(engine.store, engine.pipeline.embedder.identity, cfg.max_examples, cfg.session_share)
+        self.fit = fit
+        self.every = cfg.refit_every
+        self.metrics = metrics
+        self.fresh = 0  # examples stored since the last refit began
+        self.last: Outcome | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._refitting: asyncio.Task | None = None
+
+    def add(self, turns: Sequence[Turn], session: str) -> None:
+        """Record resolved turns (those with a vector: what the engine judged) in the background."""
+        examples = [e for t in turns for e in t.examples(session) if e.vector is not None]
+        if examples:
+            self._spawn(self._add(examples))
+
+    async def _add(self, examples) -> None:
+        try:
+            n = await asyncio.to_thread(self.log.add, examples)
+        except Exception:
+            log.exception("recording %d traffic examples failed", len(examples))
+            return
+        if self.metrics is not None:
+            for e in examples:
+                self.metrics.traffic.labels("called" if e.tool is not None else "silent").inc()
+        self.fresh += n
+        if self.fresh >= self.every:
+            self.refit()
+
+    def refit(self) -> asyncio.Task | None:
+        """Start a refit unless one is running (None then)."""
+        if self._refitting is not None and not self._refitting.done():
+            return None
+        self.fresh = 0
+        self._refitting = self._spawn(self._refit())
+        return self._refitting
+
+    async def _refit(self) -> Outcome | None:
+        try:
+            lesson, outcome = await asyncio.to_thread(self._fit)
+        except Exception:
+            log.exception("refitting from traffic failed")
+            return None
+        self.last = outcome
+        if lesson is not None:
+            self.engine.pipeline.learned = lesson  # one attribute: the model thread sees the old lesson or the new
+        if self.metrics is not None:
+            self.metrics.refits.labels("swapped" if lesson is not None else "kept").inc()
+        log.info("refit from %d traffic examples: %s", outcome.examples, "in use" if lesson is not None else outcome.reason)
+        return outcome
+
+    def _fit(self):
+        return self.fit.fit(self.engine.pipeline, self.log.examples(), source=f"traffic: {self.engine.store.location}")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait for what is being recorded or refitted (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,378 @@
+"""Learning from traffic (issue 30): every user turn the server judges is followed either by
+the tools the LLM called (`tool_result` frames) or by none. Those are free labels, in the
+user's own words, over the user's own catalog: what the built-in calibration, fitted on this
+project's corpus, never saw.
+
+Three parts, each small:
+
+* `Turns` (sans-I/O, one per connection, or per conversation of a chat log): pairs each user
+  turn with the tools called before the next one. A turn followed by no call is a "no tool" example only
+  once the connection has reported at least one call: a client that never sends `tool_result`
+  says nothing about what needed a tool.
+* `TrafficLog`: the examples in the store (text, tool or none, the turn's query vector),
+  bounded in all and per session, so no one client can steer what is learned.
+* `Learned` and `TrafficFit`: what a catalog learned, as an overlay the pipeline applies (the
+  called turns as extra cases of their tools, both kinds as the gate head's neighbours, and a
+  bar of its own), and the estimator that fits it and swaps it in only when it judges the
+  examples better out of fold than what is in force.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from .gate import Thresholds
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+    from .transcripts import Conversation
+    from .store import Store
+
+
+# --- the examples --------------------------------------------------------------------------
+
+
+class Example(msgspec.Struct, frozen=True):
+    """A user turn and the tool called after it (None: no tool was called before the next turn)."""
+
+    text: str
+    tool: str | None
+    vector: np.ndarray | None = None  # the turn's query vector, when the engine embedded it
+    session: str = ""
+
+
+@dataclass
+class Turn:
+    """A user turn and the distinct tools called after it, in the order first called."""
+
+    text: str
+    vector: np.ndarray | None = None
+    calls: list[str] = field(default_factory=list)
+    ref: str = ""  # where it came from (a transcript's conversation:message)
+
+    def examples(self, session: str = "") -> list[Example]:
+        """One example per tool called, or one "no tool" example."""
+        return [Example(self.text, tool, self.vector, session) for tool in self.calls or [None]]
+
+
+class Turns:
+    """User turns and the calls after each, in the order they come (sans-I/O): `turn` opens a
+    turn and returns the one it resolves, `called` adds a tool to the open turn, `close`
+    resolves it. The one pairing rule of a live connection and of a chat log.
+
+    `silent_needs_call`: a turn followed by no call is returned only once some call was
+    reported (a live client that never sends `tool_result` says nothing about what needed a
+    tool; a chat log holds every call). `max_calls`: distinct tools one turn can name."""
+
+    def __init__(self, silent_needs_call: bool = True, max_calls: int = 8):
+        self.silent_needs_call = silent_needs_call
+        self.max_calls = max_calls
+        self.reports_calls = False
+        self._open: Turn | None = None
+
+    def turn(self, text: str, vector: np.ndarray | None = None, ref: str = "") -> Turn | None:
+        done = self.close()
+        self._open = Turn(text, vector, ref=ref) if text.strip() else None
+        return done
+
+    def embedded(self, text: str, vector: np.ndarray | None) -> None:
+        """The open turn's query vector, once the engine has judged it."""
+        if self._open is not None and self._open.text == text and vector is not None:
+            self._open.vector = vector
+
+    def called(self, tool: str) -> None:
+        self.reports_calls = True
+        t = self._open
+        if t is not None and tool not in t.calls and len(t.calls) < self.max_calls:
+            t.calls.append(tool)
+
+    def close(self) -> Turn | None:
+        t, self._open = self._open, None
+        if t is None or (not t.calls and self.silent_needs_call and not self.reports_calls):
+            return None
+        return t
+
+
+def transcript_turns(conversations: Sequence[Conversation]) -> list[Turn]:
+    """Chat logs' user turns, each with the tools the model called before the next user turn."""
+    out: list[Turn] = []
+    for conv in conversations:
+        turns = Turns(silent_needs_call=False, max_calls=1_000)
+        for k, m in enumerate(conv.messages):
+            if m.role == "user":
+                out += filter(None, [turns.turn(m.content, ref=f"{conv.id}:{k}")])
+            elif m.role == "assistant":
+                for c in m.tool_calls or ():
+                    turns.called(c.name)
+        out += filter(None, [turns.close()])
+    return out
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS traffic_examples (
+    id       INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts       REAL NOT NULL,
+    model    TEXT NOT NULL,      -- the identity of the model the vector came from
+    session  TEXT NOT NULL,      -- the server's connection id (never a client-chosen name)
+    text     TEXT NOT NULL,
+    tool     TEXT,               -- NULL: no tool was called after the turn
+    vector   BLOB NOT NULL       -- float16, unit length
+);
+CREATE INDEX IF NOT EXISTS traffic_examples_session ON traffic_examples (session, id);
+"""
+
+
+class TrafficLog:
+    """The examples, in the store, bounded: at most `limit` in all (the oldest go first) and at
+    most `share` of them from one session, so one client's turns cannot outweigh the rest."""
+
+    def __init__(self, store: Store, model: str, limit: int = 5000, share: float = 0.1, max_text_chars: int = 2000):
+        self.store, self.model = store, model
+        self.limit, self.per_session = limit, max(1, int(limit * share))
+        self.max_text_chars = max_text_chars
+        store.ensure_schema(SCHEMA)
+
+    def add(self, examples: Sequence[Example], now: float | None = None) -> int:
+        """Keep the examples that have a vector; returns how many were kept."""
+        ts = time.time() if now is None else now
+        rows = [(ts, self.model, e.session, e.text[: self.max_text_chars], e.tool, np.asarray(e.vector, np.float16).tobytes())
+                for e in examples if e.vector is not None]  # fmt: skip
+        if not rows:
+            return 0
+        sessions = sorted({r[2] for r in rows})
+
+        def write(tx) -> None:
+            tx.executemany("INSERT INTO traffic_examples (ts, model, session, text, tool, vector) VALUES (?,?,?,?,?,?)", rows)
+            for s in sessions:
+                tx.execute("""DELETE FROM traffic_examples WHERE session = ? AND id NOT IN
+                              (SELECT id FROM traffic_examples WHERE session = ? ORDER BY id DESC LIMIT ?)""", (s, s, self.per_session))  # fmt: skip
+            tx.execute("DELETE FROM traffic_examples WHERE id NOT IN (SELECT id FROM traffic_examples ORDER BY id DESC LIMIT ?)", (self.limit,))
+
+        self.store.write(write)
+        return len(rows)
+
+    def examples(self) -> list[Example]:
+        """This model's examples, oldest first."""
+        rows = self.store.query("SELECT text, tool, vector, session FROM traffic_examples WHERE model = ? ORDER BY id", (self.model,))
+        return [Example(t, tool, np.frombuffer(v, np.float16).astype(np.float32), s) for t, tool, v, s in rows]
+
+    def summary(self) -> dict[str, object]:
+        rows = self.store.query("SELECT tool, COUNT(*), COUNT(DISTINCT session) FROM traffic_examples WHERE model = ? GROUP BY tool", (self.model,))
+        called = {t: n for t, n, _ in rows if t is not None}
+        silent = next((n for t, n, _ in rows if t is None), 0)
+        sessions = self.store.query("SELECT COUNT(DISTINCT session) FROM traffic_examples WHERE model = ?", (self.model,))[0][0]
+        return {"called": sum(called.values()), "silent": silent, "sessions": sessions, "tools": dict(sorted(called.items(), key=lambda kv: -kv[1]))}
+
+    def reset(self) -> int:
+        """Forget every example (of every model); returns how many there were."""
+        return int(self.store.write(lambda tx: tx.execute("DELETE FROM traffic_examples").rowcount))
+
+
+# --- what is learned -----------------------------------------------------------------------
+
+
+class Learned:
+    """A catalog's lesson from its traffic, applied by the pipeline on top of its calibration:
+    `called` (the turns followed by a call, as extra cases of the tool called: the cases view
+    takes the nearer of the tool's own cases and these), both kinds as neighbours of the gate
+    head (its near-tool / near-none features read the user's own turns beside the built-in
+    exemplars), and `bar`, the probability bar fitted on them (None: the calibration's)."""
+
+    def __init__(self, called: np.ndarray, tools: Sequence[str], silent: np.ndarray, bar: float | None = None,
+                 weights: np.ndarray | None = None, source: str = ""):  # fmt: skip
+        self.called = np.asarray(called, np.float32)
+        self.tools = list(tools)
+        self.silent = np.asarray(silent, np.float32)
+        self.bar = bar
+        self.weights = None if weights is None else np.asarray(weights, np.float32)  # over RANK_FEATURES + the turns' view
+        self.source = source  # what it was learned from, for `sidecar learn`
+
+    @classmethod
+    def of(cls, examples: Sequence[Example], names: Sequence[str], bar: float | None = None, weights: np.ndarray | None = None,
+           source: str = "") -> Learned:  # fmt: skip
+        """From examples: calls of tools the catalog no longer has are left out (the turn still
+        asked for a tool: it is not a "no tool" either)."""
+        known = set(names)
+        called = [e for e in examples if e.tool is not None and e.tool in known]
+        silent = [e for e in examples if e.tool is None]
+        dim = len(examples[0].vector) if examples else 0
+        stack = lambda es: np.vstack([e.vector for e in es]) if es else np.zeros((0, dim), np.float32)  # noqa: E731
+        return cls(stack(called), [e.tool for e in called], stack(silent), bar, weights, source)
+
+    def __len__(self) -> int:
+        return len(self.called) + len(self.silent)
+
+    def cases(self, vectors: np.ndarray, names: Sequence[str], exclude_self: bool = False) -> np.ndarray:
+        """(n, tools): each tool's best cosine over the turns that called it (-1: none did).
+        `exclude_self`: a text that is one of the turns does not count itself."""
+        out = np.full((len(vectors), len(names)), -1.0, np.float32)
+        if not len(self.called):
+            return out
+        column = {n: j for j, n in enumerate(names)}
+        cols = np.array([column.get(t, -1) for t in self.tools])
+        keep = cols >= 0
+        sims = vectors @ self.called[keep].T
+        if exclude_self:
+            sims = np.where(sims > 0.9995, -1.0, sims)
+        np.maximum.at(out.T, cols[keep], sims.T)  # out[:, col] = max over that tool's turns
+        return out
+
+    def thresholds(self, base: Thresholds) -> Thresholds:
+        """`base` with this bar for texts on no pattern's path (a high pattern's bar is kept)."""
+        if self.bar is None:
+            return base
+        return msgspec.structs.replace(base, fallback=self.bar, confirm=min(base.confirm, self.bar), auto=max(base.auto, self.bar))
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.called.tobytes() + self.silent.tobytes() + "\n".join(self.tools).encode())
+        return h.hexdigest()[:12]
+
+
+class Outcome(msgspec.Struct):
+    """One fit: out-of-fold scores of the lesson against the one in force, on the same examples."""
+
+    examples: int
+    called: int
+    silent: int
+    calibration: Rates  # the calibration's alone, on the examples
+    learned: Rates  # the lesson's, out of fold
+    bar: float | None
+    swapped: bool
+    seconds: float
+    reason: str = ""
+
+
+class TrafficFit(msgspec.Struct, frozen=True):
+    """Hyper-parameters of learning from traffic, in one place. `min_called` / `min_silent`:
+    examples of each kind before a bar is fitted (fewer: the calibration's bar is kept, since
+    a bar fitted on a handful of turns is noise); `margin`: how much more recall out of fold,
+    at no less precision, a lesson must reach than the calibration alone to be used."""
+
+    folds: int = 5
+    min_examples: int = 20
+    min_called: int = 10
+    min_silent: int = 10
+    margin: float = 0.005
+    max_rank_rows: int = 1000  # called turns the ranker's weights are fitted on (the latest; each is (tools, views) of floats)
+    seed: int = 0
+
+    def fit(self, pipeline: Pipeline, examples: Sequence[Example], source: str = "traffic") -> tuple[Learned | None, Outcome]:
+        """The lesson of `examples` for `pipeline`'s catalog, or None when it would not judge
+        them better than the calibration alone: the lesson is scored out of fold (each fold
+        judged by a lesson fitted on the other folds), the calibration on all of them. A lesson
+        in force is replaced by the next one that passes: it learned from more."""
+        t0 = time.perf_counter()
+        names = pipeline.catalog.names()
+        base_bar = judge_vectors_bar(pipeline)
+        known = set(names)
+        usable = [e for e in examples if e.vector is not None and (e.tool is None or e.tool in known)]
+        called = sum(e.tool is not None for e in usable)
+        silent = len(usable) - called
+        if len(usable) < self.min_examples or not called:
+            why = f"{len(usable)} usable examples ({called} called): at least {self.min_examples}, some called, needed"
+            nothing = Rates(math.nan, math.nan)
+            return None, Outcome(len(usable), called, silent, nothing, nothing, None, False, round(time.perf_counter() - t0, 3), why)
+        vectors = np.vstack([e.vector for e in usable]).astype(np.float32)
+        truth = [e.tool for e in usable]
+        texts = [e.text for e in usable]
+        folds = np.random.default_rng(self.seed).permutation(len(usable)) % self.folds
+        p_oof = np.zeros(len(usable))
+        first_oof: list[str | None] = [None] * len(usable)
+        for f in range(self.folds):
+            test = np.flatnonzero(folds == f)
+            train = np.flatnonzero(folds != f)
+            rest = [usable[i] for i in train]
+            weights = self._weights(pipeline, [texts[i] for i in train], vectors[train], [truth[i] for i in train], Learned.of(rest, names), names)
+            p, first = judge_vectors(pipeline, [texts[i] for i in test], vectors[test], Learned.of(rest, names, weights=weights))
+            p_oof[test] = p
+            for i, t in zip(test, first):
+                first_oof[i] = t
+        now = rates(*judge_vectors(pipeline, texts, vectors, None), truth, base_bar)
+        bar = None
+        if called >= self.min_called and silent >= self.min_silent:
+            bar = best_bar(p_oof, first_oof, truth, now.precision)
+        learned = rates(p_oof, first_oof, truth, bar if bar is not None else base_bar)
+        better = learned.recall >= now.recall + self.margin and learned.precision >= now.precision
+        lesson = None
+        if better:
+            weights = self._weights(pipeline, texts, vectors, truth, Learned.of(usable, names), names)
+            lesson = Learned.of(usable, names, bar, weights, source)
+        outcome = Outcome(len(usable), called, silent, now, learned, bar, better, round(time.perf_counter() - t0, 3),
+                          "" if better else "no more recall at the same precision out of fold than the calibration alone")  # fmt: skip
+        return lesson, outcome
+
+
+    def _weights(self, pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, truth: Sequence[str | None], seen: Learned,
+                 names: Sequence[str]) -> np.ndarray | None:  # fmt: skip
+        """The lesson's ranker: view weights (the calibration's views and the called turns')
+        fitted on the called turns, each without itself among the turns; None with too few."""
+        from .learned import RankerFit
+        from .pipeline import Request
+
+        column = {n: j for j, n in enumerate(names)}
+        rows = [i for i, t in enumerate(truth) if t is not None][: self.max_rank_rows]
+        if len(rows) < self.min_called:
+            return None
+        work = copy.copy(pipeline)
+        work.learned = seen
+        views = work.views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
+        features = np.stack([v.features for v in views])
+        w = RankerFit().weights(features, [[column[truth[i]]] for i in rows])
+        return np.asarray(w, np.float32)
+
+
+def judge_vectors(pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, learned: Learned | None) -> tuple[np.ndarray, list[str | None]]:
+    """User turns' probabilities and best tools, judged by `pipeline` with `learned` applied.
+    A shallow copy judges: the pipeline in service is never touched from this thread."""
+    from .pipeline import Request
+
+    work = copy.copy(pipeline)
+    work.learned = learned
+    return work.probabilities([Request(t, "user") for t in texts], vectors)
+
+
+def judge_vectors_bar(pipeline: Pipeline) -> float:
+    """The bar of user turns with no lesson applied."""
+    work = copy.copy(pipeline)
+    work.learned = None
+    return work.bar_in_force
+
+
+class Rates(msgspec.Struct):
+    """Of the called turns, the share whose tool would be injected first (`recall`); of the turns
+    that would fire, the share whose first tool is the one called (`precision`: a silent turn
+    that fires is a miss; 0 when none fires)."""
+
+    recall: float
+    precision: float
+
+
+def rates(p: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], bar: float) -> Rates:
+    fired = p >= bar
+    right = np.array([f == t and t is not None for f, t in zip(first, truth)]) & fired
+    called = sum(t is not None for t in truth)
+    return Rates(round(float(right.sum() / max(called, 1)), 4), round(float(right.sum() / fired.sum()), 4) if fired.any() else 0.0)
+
+
+def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], precision: float, z: float = 1.0) -> float | None:
+    """The bar with the most recall whose precision stays at `precision` or above with some
+    confidence: its precision less `z` standard errors (of equal recalls, the higher bar).
+    None when no bar does. The standard error keeps a bar fitted on a few hundred turns from
+    trading precision it only seemed to keep; on thousands it all but vanishes."""
+    best: tuple[float, float] | None = None
+    for c in np.unique(np.round(p, 4)):
+        r = rates(p, first, truth, float(c))
+        fired = int((p >= c).sum())
+        low = r.precision - z * math.sqrt(max(r.precision * (1 - r.precision), 1e-9) / max(fired, 1))
+        if low >= precision and (best is None or r.recall >= best[0]):
+            best = (r.recall, float(c))
+    return None if best is None else best[1]
