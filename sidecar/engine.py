@@ -26,6 +26,7 @@ from .metrics import MetricsStore, StringCaps
 from .pipeline import Detected, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
+from .recommend.sequences import Rule, Sequences
 from .store import Store, open_store
 
 
@@ -36,19 +37,26 @@ class Judgement(msgspec.Struct):
     ranked: Recommendations | None = None
     vector: np.ndarray | None = None  # the text's embedding by the main model (None: the screen settled it, or a pattern blocked it)
     asks: list[Recommendation] = []  # a turn of several asks: the best tool of each further ask that needs one, in ask order
+    around: list[tuple[Rule, Recommendation]] = []  # tools that usually come before or after an injected one (learned sequences)
 
     def inject(self, margin: float, most: int | None = None) -> list[Recommendation]:
         """The tools to hand the model: the top-ranked one and the runners-up within `margin`
         of its score (at most `most` of them), then, for a turn of several asks, the best tool
-        of each ask in the order the asks come. Each tool once; the turn's own best stays first,
-        so a turn split where it asks one thing ("open the file and show me what is in it")
-        loses nothing. Empty when the gate did not fire."""
+        of each ask in the order the asks come, then the tools learned to go with those (`around`).
+        Each tool once; the turn's own best stays first, so a turn split where it asks one thing
+        ("open the file and show me what is in it") loses nothing. Empty when the gate did not fire."""
+        picks = self.picks(margin, most)
+        seen = {r.tool for r in picks}
+        return [*picks, *(r for rule, r in self.around if rule.anchor in seen and r.tool not in seen and not seen.add(r.tool))]
+
+    def picks(self, margin: float, most: int | None = None) -> list[Recommendation]:
+        """What the text itself asks for: the ranked tools within `margin` and each ask's best."""
         if not self.decision.fired or self.decision.tier is None or self.ranked is None or not self.ranked.results:
             return []
         bar = self.ranked.results[0].score - margin
-        picks = [r for r in self.ranked.results if r.score >= bar][:most]
         seen: set[str] = set()
-        return [r for r in [*picks, *self.asks] if r.tool not in seen and not seen.add(r.tool)]
+        top = [r for r in self.ranked.results if r.score >= bar][:most]
+        return [r for r in [*top, *self.asks] if r.tool not in seen and not seen.add(r.tool)]
 
     @property
     def first(self) -> str | None:
@@ -83,6 +91,7 @@ class Sidecar:
         self.recommender = Recommender(pipeline, history, cfg.recommend)
         self.screen = screen
         self.cascade_stats = stats or CascadeStats()
+        self.sequences = Sequences()  # which tools go together, learned from the call log (the server refreshes it)
         self._persist = persist
 
     @classmethod
@@ -107,7 +116,9 @@ class Sidecar:
         (kept in the store unless not `persist`: a session's own tools leave nothing behind).
         The screen, if any, follows it onto the same catalog."""
         first = self.screen.with_catalog(catalog, persist) if self.screen is not None else None
-        return Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
+        derived = Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
+        derived.sequences = self.sequences
+        return derived
 
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
         """The gate's decisions (and query vectors) for every request: the main pipeline's, or
@@ -151,6 +162,10 @@ class Sidecar:
             out.append(Judgement(d, ranked, vector))
         if self.cfg.server.split_asks:
             self._rank_asks(requests, out, contexts)
+        if self.sequences.rules:
+            for j in out:
+                picks = j.picks(self.cfg.server.inject_margin, top)
+                j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors)) for r in picks for rule in self.sequences.around(r.tool)]
         return out
 
     def _rank_asks(self, requests: Sequence[Request], judged: list[Judgement], contexts: Sequence[Context] | None) -> None:

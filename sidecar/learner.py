@@ -1,8 +1,9 @@
 """The server's side of learning from traffic (sidecar/traffic.py holds the rules): resolved
 turns go to the store on a store thread, and every `refit_every` new examples the catalog's
 lesson is refitted on a worker thread (numpy only: the model thread keeps judging) and swapped
-into the engine's pipeline when it passes (`TrafficFit`). One refit at a time; examples that
-arrive during one count towards the next."""
+into the engine's pipeline when it passes (`TrafficFit`); every `refit_every` recorded calls,
+the tools that go together are learned again from the call log (`SequenceFit`). One refit at
+a time; what arrives during one counts towards the next."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .config import LearnConfig
+from .recommend.sequences import SequenceFit
 from .traffic import Outcome, TrafficFit, TrafficLog, Turn
 
 if TYPE_CHECKING:
@@ -22,14 +24,17 @@ log = logging.getLogger("sidecar.server")
 
 
 class Learner:
-    def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit = TrafficFit()):
+    def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit = TrafficFit(),
+                 sequences: SequenceFit = SequenceFit()):  # fmt: skip
         assert engine.store is not None
         self.engine = engine
         self.log = TrafficLog(engine.store, engine.pipeline.embedder.identity, cfg.max_examples, cfg.session_share)
         self.fit = fit
+        self.sequences = sequences
         self.every = cfg.refit_every
         self.metrics = metrics
         self.fresh = 0  # examples stored since the last refit began
+        self.calls = 0  # tool_result frames recorded since then
         self.last: Outcome | None = None
         self._tasks: set[asyncio.Task] = set()
         self._refitting: asyncio.Task | None = None
@@ -53,11 +58,17 @@ class Learner:
         if self.fresh >= self.every:
             self.refit()
 
+    def called(self) -> None:
+        """A tool_result was recorded: the call log the sequences come from grew."""
+        self.calls += 1
+        if self.calls >= self.every:
+            self.refit()
+
     def refit(self) -> asyncio.Task | None:
         """Start a refit unless one is running (None then)."""
         if self._refitting is not None and not self._refitting.done():
             return None
-        self.fresh = 0
+        self.fresh = self.calls = 0
         self._refitting = self._spawn(self._refit())
         return self._refitting
 
@@ -76,7 +87,10 @@ class Learner:
         return outcome
 
     def _fit(self):
-        return self.fit.fit(self.engine.pipeline, self.log.examples(), source=f"traffic: {self.engine.store.location}")
+        engine = self.engine
+        if engine.history is not None:
+            engine.sequences.update(self.sequences.fit(engine.history.call_sequences(engine.catalog)))
+        return self.fit.fit(engine.pipeline, self.log.examples(), source=f"traffic: {engine.store.location}")
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

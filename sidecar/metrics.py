@@ -456,6 +456,18 @@ class MetricsStore:
         )
         return {s: (int(n), bool(own)) for s, n, own in rows}
 
+    def call_sequences(self, catalog: Catalog, limit: int = 50_000) -> list[list[str]]:
+        """Each connection's calls of `catalog`'s tools in the order reported (the raw log's,
+        the last `retention_days`; of the latest `limit` calls): what `SequenceFit` learns
+        which tools go together from. This process's own calls (no reporter) are left out."""
+        names = {key_of(catalog, t.name): t.name for t in catalog}
+        rows = self.store.query("SELECT reporter, server, tool FROM tool_calls WHERE reporter IS NOT NULL ORDER BY id DESC LIMIT ?", (limit,))
+        by: dict[str, list[str]] = {}
+        for reporter, server, tool in reversed(rows):
+            if (name := names.get((server, tool))) is not None:
+                by.setdefault(reporter, []).append(name)
+        return list(by.values())
+
     def ratings(self) -> dict[str, tuple[int, float]]:
         """(number of ratings, average rating) per selected tool name."""
         rows = self.store.query("SELECT selected, count(*), avg(rating) FROM feedback WHERE rating IS NOT NULL AND selected IS NOT NULL GROUP BY selected")

@@ -119,7 +119,16 @@ class TriggerInfo(msgspec.Struct):
     path: str  # "high:ID" or "fallback"
 
 
-class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True):
+class WorkflowStep(msgspec.Struct):
+    """One tool of an inject in the order a turn will likely need them: a tool learned to come
+    before or after another injected one says so in `why`."""
+
+    tool: str
+    step: int  # 1, 2, ...
+    why: str
+
+
+class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True, omit_defaults=True):
     stream: str
     tier: Literal["auto", "confirm"]
     probability: float | None  # the gate's P(the span needs a tool); None: the model has no gate head
@@ -130,6 +139,9 @@ class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True):
     # [0:13] while the inject came at 58, the end of the stream.
     sent_at: int
     latency_ms: float  # from the frame that completed the span to this message
+    # Only when a learned sequence added a tool: every injected tool in the order it is
+    # likely called (prerequisites first). A client that ignores it loses nothing.
+    workflow: list[WorkflowStep] = []
 
 
 class DecisionReport(msgspec.Struct, tag="decision", tag_field="type", kw_only=True):

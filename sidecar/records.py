@@ -63,6 +63,8 @@ class Records:
         finally:
             conn.recorded()
         self.server.metrics.events.labels(kind).inc()
+        if kind == "tool_result" and self.server.learner is not None:
+            self.server.learner.called()
         conn.send(ack)
 
     def _store_call(self, conn: Connection, msg: p.ToolResult) -> p.Ack:

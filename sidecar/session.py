@@ -22,7 +22,7 @@ from .catalog import Catalog, CatalogError, from_tools
 from .config import ServerConfig
 from .gate import Decision
 from .pipeline import Request
-from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo
+from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo, WorkflowStep
 from .recommend.filters import Context, Permissions
 from .stream import Segmenter, Span
 from .traffic import Turn, Turns
@@ -253,7 +253,27 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     latency = (time.perf_counter() - ev.received) * 1000
     sent_at = ev.turn_chars if ev.turn_chars is not None else ev.stream.received_chars
     return Inject(stream=ev.stream.id, tier=d.tier, probability=d.probability, tools=tools, trigger=trigger, sent_at=sent_at,
-                  latency_ms=round(latency, 2))  # fmt: skip
+                  latency_ms=round(latency, 2), workflow=workflow_of(v.judgement, tools))  # fmt: skip
+
+
+def workflow_of(j: Judgement, tools: Sequence[InjectedTool]) -> list[WorkflowStep]:
+    """The injected tools in the order they are likely called, when a learned sequence added
+    one (else none): each tool the text asked for, its usual prerequisites just before it and
+    its usual next steps just after."""
+    sent = {t.definition["name"]: t.why for t in tools}
+    added = {r.tool: rule for rule, r in j.around if r.tool in sent}
+    if not added:
+        return []
+    order: list[tuple[str, str]] = []
+    for name, why in sent.items():
+        if name in added:
+            continue
+        mine = [rule for rule, _ in j.around if rule.anchor == name and added.get(rule.tool) is rule]
+        order += [(r.tool, r.why) for r in mine if r.relation == "before"] + [(name, why)] + [(r.tool, r.why) for r in mine if r.relation == "after"]
+    order += sent.items()  # a tool whose anchor this stream already had: last
+    seen: set[str] = set()
+    steps = [(t, w) for t, w in order if t not in seen and not seen.add(t)]
+    return [WorkflowStep(t, i, w) for i, (t, w) in enumerate(steps, 1)]
 
 
 def context_of(hello: Hello) -> Context:
