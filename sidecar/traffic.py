@@ -20,7 +20,6 @@ Three parts, each small:
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -232,10 +231,6 @@ class Learned:
             return base
         return msgspec.structs.replace(base, fallback=self.bar, confirm=min(base.confirm, self.bar), auto=max(base.auto, self.bar))
 
-    def fingerprint(self) -> str:
-        h = hashlib.sha256(self.called.tobytes() + self.silent.tobytes() + "\n".join(self.tools).encode())
-        return h.hexdigest()[:12]
-
 
 class Outcome(msgspec.Struct):
     """One fit: out-of-fold scores of the lesson against the one in force, on the same examples."""
@@ -272,7 +267,7 @@ class TrafficFit(msgspec.Struct, frozen=True):
         in force is replaced by the next one that passes: it learned from more."""
         t0 = time.perf_counter()
         names = pipeline.catalog.names()
-        base_bar = judge_vectors_bar(pipeline)
+        base_bar = bar_without_lesson(pipeline)
         known = set(names)
         usable = [e for e in examples if e.vector is not None and (e.tool is None or e.tool in known)]
         called = sum(e.tool is not None for e in usable)
@@ -340,7 +335,7 @@ def judge_vectors(pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray,
     return work.probabilities([Request(t, "user") for t in texts], vectors)
 
 
-def judge_vectors_bar(pipeline: Pipeline) -> float:
+def bar_without_lesson(pipeline: Pipeline) -> float:
     """The bar of user turns with no lesson applied."""
     work = copy.copy(pipeline)
     work.learned = None

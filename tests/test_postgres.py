@@ -104,6 +104,16 @@ def test_open_store_picks_the_backend_and_hides_the_password(pg_url, tmp_path):
     assert pg_ddl("x REAL, b BLOB, n INTEGER, t TEXT) WITHOUT ROWID") == 'x DOUBLE PRECISION, b BYTEA, n BIGINT, t TEXT COLLATE "C")'
 
 
+def test_the_traffic_log_keeps_its_bounds_on_postgresql(pg_url):
+    from tests.test_traffic import check_bounded_log
+
+    store = open_store(pg_url)
+    try:
+        check_bounded_log(store)
+    finally:
+        store.close()
+
+
 def test_a_store_that_cannot_be_reached_is_one_clear_line(pg):
     dead = f"postgresql://nobody:pw@127.0.0.1:{pg.port + 1 if pg.port < 65535 else 1}/nothing"
     with pytest.raises(StoreError) as err:

@@ -53,7 +53,11 @@ def test_a_turn_is_paired_with_the_distinct_tools_called_before_the_next_turn():
 
 
 def test_the_log_is_bounded_in_all_and_per_session_and_keeps_each_models_own(tmp_path):
-    store = open_store(tmp_path / "s.db")
+    check_bounded_log(open_store(tmp_path / "s.db"))
+
+
+def check_bounded_log(store) -> None:
+    """The log's bounds on a store of either backend (tests/test_postgres.py runs it on PostgreSQL)."""
     tlog = TrafficLog(store, "model-a", limit=12, share=0.25)  # 3 per session
     v = np.full(4, 0.5, np.float32)
     assert tlog.add([Example(f"a{i}", "write_file", v, "A") for i in range(5)] + [Example("no vector", "x", None, "A")]) == 5
