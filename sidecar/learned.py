@@ -470,6 +470,12 @@ class GateHeadFit(msgspec.Struct, frozen=True):
         return GateHead(mu.tolist(), sd.tolist(), w.tolist(), b, exemplars, list(self.features))
 
 
+def logit(p: np.ndarray) -> np.ndarray:
+    """log(p / (1 - p)), p clipped to [1e-6, 1 - 1e-6]."""
+    p = np.clip(np.asarray(p, float), 1e-6, 1 - 1e-6)
+    return np.log(p / (1 - p))
+
+
 def fit_logistic(z: np.ndarray, y: np.ndarray, l2: np.ndarray, iters: int = 1800, lr: float = 0.5,
                  w0: np.ndarray | None = None, b0: float = 0.0) -> tuple[np.ndarray, float]:  # fmt: skip
     """Weights and bias of an L2-regularised logistic regression on standardised `z` (`l2`:

@@ -277,6 +277,13 @@ class Pipeline:
         head = self.confidence([requests[k] for k in rest], vectors[rest], [views[k] for k in rest], [routes[k] for k in rest])
         for k, c in zip(rest, head):
             confidence[k] = c
+        learned = self.learned
+        if learned is not None and learned.gate is not None:  # recalibrated on the user's own turns
+            users = [k for k, r in enumerate(requests) if r.source == "user" and confidence[k] is not None]
+            if users:
+                p = learned.gate.probability(np.array([confidence[k] for k in users]), *learned.near(vectors[users]))
+                for k, c in zip(users, p):
+                    confidence[k] = float(c)
         return views, candidates, confidence
 
     def probabilities(self, requests: Sequence[Request], vectors: np.ndarray) -> tuple[np.ndarray, list[str | None]]:

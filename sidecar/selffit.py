@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from .gate import Thresholds
-from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, rank_features
+from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, logit, rank_features
 
 if TYPE_CHECKING:
     from .index import ToolIndex
@@ -56,7 +56,7 @@ class CasesGate(msgspec.Struct, frozen=True):
 
     def probability(self, logits: np.ndarray) -> np.ndarray:
         """(n,) from the classifier's (n, tools) logits."""
-        return 1.0 / (1.0 + np.exp(-(self.slope * _logit(best_probability(logits)) + self.bias)))
+        return 1.0 / (1.0 + np.exp(-(self.slope * logit(best_probability(logits)) + self.bias)))
 
 
 class OwnFit(msgspec.Struct, frozen=True):
@@ -136,21 +136,16 @@ def best_probability(logits: np.ndarray) -> np.ndarray:
     return np.exp(classifier_view(logits, logits.shape).max(axis=1)) if logits.shape[1] else np.zeros(len(logits))
 
 
-def _logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-6, 1 - 1e-6)
-    return np.log(p / (1 - p))
-
-
 def _gate(inside: np.ndarray, outside: np.ndarray) -> CasesGate:
     """The logistic map fitted on in-scope (1) and simulated out-of-scope (0) rows, its bar at
     their best balanced accuracy, `auto` where AUTO_PRECISION of the rows fired are in scope."""
-    z = np.concatenate([_logit(inside), _logit(outside)])
+    z = np.concatenate([logit(inside), logit(outside)])
     y = np.concatenate([np.ones(len(inside)), np.zeros(len(outside))])
     mu, sd = float(z.mean()), float(z.std()) + 1e-9
     w, b = fit_logistic(((z - mu) / sd)[:, None], y, np.ones(1))
     slope, bias = float(w[0]) / sd, float(b) - float(w[0]) * mu / sd
-    p_in = 1.0 / (1.0 + np.exp(-(slope * _logit(inside) + bias)))
-    p_out = 1.0 / (1.0 + np.exp(-(slope * _logit(outside) + bias)))
+    p_in = 1.0 / (1.0 + np.exp(-(slope * logit(inside) + bias)))
+    p_out = 1.0 / (1.0 + np.exp(-(slope * logit(outside) + bias)))
     cuts = np.unique(np.round(np.concatenate([p_in, p_out]), 4))
     balanced = [((p_in >= c).mean() + (p_out < c).mean()) / 2 for c in cuts]
     bar = float(cuts[int(np.argmax(balanced))])

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from .gate import Thresholds
+from .learned import RankerFit, fit_logistic, logit
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -179,6 +180,28 @@ class TrafficLog:
 # --- what is learned -----------------------------------------------------------------------
 
 
+class TrafficGate(msgspec.Struct, frozen=True):
+    """The gate's probability recalibrated on the user's own turns: sigmoid of a linear map of
+    its logit and of the text's nearest called and nearest silent turn (cosines, 0 with none).
+    Whatever gave the probability (the gate head, or a catalog's own gate from its cases), the
+    turns say how far to trust it here."""
+
+    coef: tuple[float, float, float]
+    bias: float
+
+    def probability(self, p: np.ndarray, near_called: np.ndarray, near_silent: np.ndarray) -> np.ndarray:
+        x = np.stack([logit(p), near_called, near_silent], axis=1)
+        return 1.0 / (1.0 + np.exp(-(x @ np.asarray(self.coef) + self.bias)))
+
+    @classmethod
+    def fit(cls, p: np.ndarray, near_called: np.ndarray, near_silent: np.ndarray, called: np.ndarray) -> TrafficGate:
+        x = np.stack([logit(p), near_called, near_silent], axis=1)
+        mu, sd = x.mean(axis=0), x.std(axis=0) + 1e-9
+        w, b = fit_logistic((x - mu) / sd, called.astype(float), np.full(3, 1.0))
+        coef = w / sd
+        return cls(tuple(round(float(c), 6) for c in coef), round(float(b - (w * mu / sd).sum()), 6))  # type: ignore[arg-type]
+
+
 class Learned:
     """A catalog's lesson from its traffic, applied by the pipeline on top of its calibration:
     `called` (the turns followed by a call, as extra cases of the tool called: the cases view
@@ -187,17 +210,18 @@ class Learned:
     exemplars), and `bar`, the probability bar fitted on them (None: the calibration's)."""
 
     def __init__(self, called: np.ndarray, tools: Sequence[str], silent: np.ndarray, bar: float | None = None,
-                 weights: np.ndarray | None = None, source: str = ""):  # fmt: skip
+                 weights: np.ndarray | None = None, gate: TrafficGate | None = None, source: str = ""):  # fmt: skip
         self.called = np.asarray(called, np.float32)
         self.tools = list(tools)
         self.silent = np.asarray(silent, np.float32)
         self.bar = bar
         self.weights = None if weights is None else np.asarray(weights, np.float32)  # over RANK_FEATURES + the turns' view
+        self.gate = gate  # the gate's probability recalibrated on the turns (None: as the calibration gives it)
         self.source = source  # what it was learned from, for `sidecar learn`
 
     @classmethod
     def of(cls, examples: Sequence[Example], names: Sequence[str], bar: float | None = None, weights: np.ndarray | None = None,
-           source: str = "") -> Learned:  # fmt: skip
+           gate: TrafficGate | None = None, source: str = "") -> Learned:  # fmt: skip
         """From examples: calls of tools the catalog no longer has are left out (the turn still
         asked for a tool: it is not a "no tool" either)."""
         known = set(names)
@@ -205,7 +229,7 @@ class Learned:
         silent = [e for e in examples if e.tool is None]
         dim = len(examples[0].vector) if examples else 0
         stack = lambda es: np.vstack([e.vector for e in es]) if es else np.zeros((0, dim), np.float32)  # noqa: E731
-        return cls(stack(called), [e.tool for e in called], stack(silent), bar, weights, source)
+        return cls(stack(called), [e.tool for e in called], stack(silent), bar, weights, gate, source)
 
     def __len__(self) -> int:
         return len(self.called) + len(self.silent)
@@ -224,6 +248,14 @@ class Learned:
             sims = np.where(sims > 0.9995, -1.0, sims)
         np.maximum.at(out.T, cols[keep], sims.T)  # out[:, col] = max over that tool's turns
         return out
+
+    def near(self, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each text's cosine to its nearest called turn and to its nearest silent turn (0: none)."""
+
+        def best(rows: np.ndarray) -> np.ndarray:
+            return np.maximum((vectors @ rows.T).max(axis=1), 0.0) if len(rows) else np.zeros(len(vectors))
+
+        return best(self.called), best(self.silent)
 
     def thresholds(self, base: Thresholds) -> Thresholds:
         """`base` with this bar for texts on no pattern's path (a high pattern's bar is kept)."""
@@ -244,6 +276,7 @@ class Outcome(msgspec.Struct):
     swapped: bool
     seconds: float
     reason: str = ""
+    recalibrated: bool = False  # the lesson recalibrates the gate's probability on the turns (TrafficGate)
 
 
 class TrafficFit(msgspec.Struct, frozen=True):
@@ -281,36 +314,54 @@ class TrafficFit(msgspec.Struct, frozen=True):
         texts = [e.text for e in usable]
         folds = np.random.default_rng(self.seed).permutation(len(usable)) % self.folds
         p_oof = np.zeros(len(usable))
+        near = np.zeros((len(usable), 2))
         first_oof: list[str | None] = [None] * len(usable)
         for f in range(self.folds):
             test = np.flatnonzero(folds == f)
             train = np.flatnonzero(folds != f)
-            rest = [usable[i] for i in train]
-            weights = self._weights(pipeline, [texts[i] for i in train], vectors[train], [truth[i] for i in train], Learned.of(rest, names), names)
-            p, first = judge_vectors(pipeline, [texts[i] for i in test], vectors[test], Learned.of(rest, names, weights=weights))
+            seen = Learned.of([usable[i] for i in train], names)
+            seen.weights = self._weights(pipeline, [texts[i] for i in train], vectors[train], [truth[i] for i in train], seen, names)
+            p, first = judge_vectors(pipeline, [texts[i] for i in test], vectors[test], seen)
             p_oof[test] = p
+            near[test] = np.stack(seen.near(vectors[test]), axis=1)
             for i, t in zip(test, first):
                 first_oof[i] = t
         now = rates(*judge_vectors(pipeline, texts, vectors, None), truth, base_bar)
-        bar = None
+        bar = gate = None
         if called >= self.min_called and silent >= self.min_silent:
-            bar = best_bar(p_oof, first_oof, truth, now.precision)
+            bar, gate, p_oof = self._gate(p_oof, near, first_oof, truth, folds, now.precision)
         learned = rates(p_oof, first_oof, truth, bar if bar is not None else base_bar)
         better = learned.recall >= now.recall + self.margin and learned.precision >= now.precision
         lesson = None
         if better:
-            weights = self._weights(pipeline, texts, vectors, truth, Learned.of(usable, names), names)
-            lesson = Learned.of(usable, names, bar, weights, source)
+            lesson = Learned.of(usable, names, bar, gate=gate, source=source)
+            lesson.weights = self._weights(pipeline, texts, vectors, truth, lesson, names)
         outcome = Outcome(len(usable), called, silent, now, learned, bar, better, round(time.perf_counter() - t0, 3),
-                          "" if better else "no more recall at the same precision out of fold than the calibration alone")  # fmt: skip
+                          "" if better else "no more recall at the same precision out of fold than the calibration alone",
+                          gate is not None)  # fmt: skip
         return lesson, outcome
 
+
+    def _gate(self, p: np.ndarray, near: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], folds: np.ndarray,
+              precision: float) -> tuple[float | None, TrafficGate | None, np.ndarray]:  # fmt: skip
+        """The lesson's bar, on the probability as it is or recalibrated on the turns (`TrafficGate`,
+        judged out of fold too), whichever then has more recall at `precision`: (bar, gate or
+        None, the out-of-fold probabilities the bar is on)."""
+        y = np.array([t is not None for t in truth])
+        recal = np.zeros(len(p))
+        for f in range(self.folds):
+            test = folds == f
+            recal[test] = TrafficGate.fit(p[~test], *near[~test].T, y[~test]).probability(p[test], *near[test].T)
+        plain, tuned = best_bar(p, first, truth, precision), best_bar(recal, first, truth, precision)
+        recall = lambda q, b: -1.0 if b is None else rates(q, first, truth, b).recall  # noqa: E731
+        if recall(recal, tuned) > recall(p, plain):
+            return tuned, TrafficGate.fit(p, *near.T, y), recal
+        return plain, None, p
 
     def _weights(self, pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, truth: Sequence[str | None], seen: Learned,
                  names: Sequence[str]) -> np.ndarray | None:  # fmt: skip
         """The lesson's ranker: view weights (the calibration's views and the called turns')
         fitted on the called turns, each without itself among the turns; None with too few."""
-        from .learned import RankerFit
         from .pipeline import Request
 
         column = {n: j for j, n in enumerate(names)}
