@@ -39,6 +39,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: dict[str, Any] | None
+    at: float = 0.0  # time.perf_counter() once the request was read (bench/proxy_latency.py)
 
     @property
     def tool_names(self) -> list[str]:
@@ -126,7 +127,7 @@ class Upstream:
 
     def _record(self, handler: BaseHTTPRequestHandler, body: Any) -> int:
         with self._lock:
-            self.requests.append(Received(handler.path, {k.lower(): v for k, v in handler.headers.items()}, body))
+            self.requests.append(Received(handler.path, {k.lower(): v for k, v in handler.headers.items()}, body, time.perf_counter()))
             return len(self.requests) - 1
 
     def _next(self) -> Scripted:

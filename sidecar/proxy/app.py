@@ -161,7 +161,11 @@ class Proxy:
         mode = "stream" if body.get("stream") else "whole"
         t0 = time.perf_counter()
         judge = Judge(self.cfg, self.engine, self.live, self.executor, agent=body.get("user") if isinstance(body.get("user"), str) else None)
-        offer = await judge.offer(body)
+        try:
+            offer = await judge.offer(body)
+        except Exception:  # fail open: the request goes upstream as the client sent it
+            log.exception("judging a request failed; forwarding it without tools")
+            offer = Offer()
         self.metrics.gate.observe(time.perf_counter() - t0)
         await self._count(offer)
         upstream = shapes.with_tools(body, offer.tools)
@@ -184,6 +188,8 @@ class Proxy:
         except Refused as e:
             self.metrics.requests.labels(mode, str(e.status)).inc()
             await _respond(send, e.status, e.content, e.content_type)
+        finally:  # counted once the request is on its way, not before it
+            await self._count(offer)
 
     async def _count(self, offer: Offer) -> None:
         self.metrics.tools_added.observe(len(offer.tools))
@@ -301,8 +307,8 @@ class Proxy:
                 body = {**body, "messages": [*messages, reply.assistant_message(), *results]}
                 body = shapes.with_tools(body, [t for t in offer.tools if t not in (body.get("tools") or ())])
             else:
-                finish = reply.finish_chunk or {"id": first_id, "object": "chat.completion.chunk", "model": body.get("model"),
-                                                "choices": [{"index": 0, "delta": {}, "finish_reason": None}]}  # fmt: skip
+                finish = reply.finish_chunk or {"id": first_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                                                "model": body.get("model"), "choices": [{"index": 0, "delta": {}, "finish_reason": None}]}  # fmt: skip
                 choices = [{**c, "finish_reason": reply.client_finish() or "stop"} if c.get("index", 0) == 0 else c for c in finish["choices"]]
                 yield shapes.sse({**finish, "id": first_id, "choices": choices})
                 if include_usage and usage is not None:
