@@ -332,6 +332,24 @@ def test_a_narrated_tool_restarts_the_call_with_the_tool_added(tmp_path):
     run(body(), timeout=180)
 
 
+def test_a_whole_reply_that_narrates_is_sent_again_with_the_tool(tmp_path):
+    replies = [Scripted(text=NARRATES), Scripted(calls=[(GET_TIME, {"timezone": "Asia/Tokyo"})]), Scripted(text="It is noon there.")]
+
+    async def body():
+        with Upstream(replies) as up:
+            async with proxying(tmp_path, up.url, {"time": TIME}, on_narration="restart") as server:
+                done = await client(server).chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}])
+                assert done.choices[0].message.content == "It is noon there."  # the client saw nothing of the first reply
+                [note] = done.model_extra["sidecar"]["narration"]
+                assert note["action"] == "restart" and note["tools"][0]["function"]["name"] == GET_TIME
+                first, second, third = up.chats
+                assert first.body.get("tools") is None and GET_TIME in second.tool_names
+                assert second.body["messages"] == first.body["messages"]
+                assert tool_messages(third.body) and server.app.metrics.value("sidecar_proxy_restarts_total") == 1
+
+    run(body(), timeout=180)
+
+
 # ---- the command ------------------------------------------------------------------------------
 
 

@@ -262,8 +262,12 @@ class Proxy:
                     for ev in reader.feed(data):
                         if ev.data is None or ev.data.strip() == "[DONE]":
                             continue
-                        chunk = orjson.loads(ev.data)
-                        if not isinstance(chunk, dict):
+                        try:
+                            chunk = orjson.loads(ev.data)
+                        except orjson.JSONDecodeError:
+                            chunk = None
+                        if not isinstance(chunk, dict):  # not a chunk: skipped, counted
+                            self.metrics.upstream_errors.labels("invalid").inc()
                             continue
                         if "error" in chunk:  # the upstream failed mid-stream: the client is told so
                             yield shapes.sse(chunk)
@@ -293,20 +297,8 @@ class Proxy:
                 if action == "restart" and restarts < self.opts.max_restarts and found:
                     restart = found
             usage = shapes.add_usage(usage, reply.usage)
-            messages = list(body["messages"])
-            if restart:
-                restarts += 1
-                self.metrics.restarts.inc()
-                added = judge.add(offer, [t.definition for inj in restart for t in inj.tools], shapes.client_tool_names(body))
-                tools = [*(body.get("tools") or ()), *added]
-                partial = [{"role": "assistant", "content": reply.text}] if reply.text else []
-                body = {**body, "tools": tools, "messages": messages + partial}
-            elif reply.our_calls and not reply.client_calls and rounds < self.opts.max_tool_rounds:
-                rounds += 1
-                results = await self._run_calls(reply, offer, judge, body)
-                body = {**body, "messages": [*messages, reply.assistant_message(), *results]}
-                body = shapes.with_tools(body, [t for t in offer.tools if t not in (body.get("tools") or ())])
-            else:
+            follow, rounds, restarts = await self._follow(reply, body, offer, judge, restart, rounds, restarts, shown=True)
+            if follow is None:
                 finish = reply.finish_chunk or {"id": first_id, "object": "chat.completion.chunk", "created": int(time.time()),
                                                 "model": body.get("model"), "choices": [{"index": 0, "delta": {}, "finish_reason": None}]}  # fmt: skip
                 choices = [{**c, "finish_reason": reply.client_finish() or "stop"} if c.get("index", 0) == 0 else c for c in finish["choices"]]
@@ -316,6 +308,7 @@ class Proxy:
                                       "model": finish.get("model"), "choices": [], "usage": usage})  # fmt: skip
                 yield shapes.sse("[DONE]")
                 return
+            body = follow
             try:
                 resp = await self._open(body, headers)
             except UpstreamError as e:
@@ -325,19 +318,39 @@ class Proxy:
                 yield shapes.sse(_refused_body(e))
                 return
 
+    async def _follow(self, reply: shapes.Reply, body: dict[str, Any], offer: Offer, judge: Judge, narrated: list, rounds: int,
+                      restarts: int, *, shown: bool) -> tuple[dict[str, Any] | None, int, int]:  # fmt: skip
+        """The body of the upstream call that follows `reply`, or None when `reply` is the last,
+        with the rounds and restarts counted: a restart with the `narrated` tools (within
+        max_restarts; the reply so far goes along when the client was `shown` it), else a round
+        with the results of the proxy's calls (within max_tool_rounds)."""
+        messages = list(body["messages"])
+        if narrated and restarts < self.opts.max_restarts:
+            self.metrics.restarts.inc()
+            added = judge.add(offer, [t.definition for inj in narrated for t in inj.tools], shapes.client_tool_names(body))
+            partial = [{"role": "assistant", "content": reply.text}] if shown and reply.text else []
+            return {**body, "tools": [*(body.get("tools") or ()), *added], "messages": messages + partial}, rounds, restarts + 1
+        if reply.our_calls and not reply.client_calls and rounds < self.opts.max_tool_rounds:
+            results = await self._run_calls(reply, offer, judge, body)
+            follow = {**body, "messages": [*messages, reply.assistant_message(), *results]}
+            return shapes.with_tools(follow, [t for t in offer.tools if t not in (body.get("tools") or ())]), rounds + 1, restarts
+        return None, rounds, restarts
+
+    def _note(self, inject) -> dict[str, Any]:
+        """What a narration annotation says of one inject (and counts it)."""
+        self.metrics.narrations.labels(self.opts.on_narration).inc()
+        return {"tier": inject.tier, "probability": inject.probability, "trigger": inject.trigger.text, "action": self.opts.on_narration,
+                "tools": [shapes.function_tool(t.definition) for t in inject.tools]}  # fmt: skip
+
     def _narrated(self, found: list, completion_id: str | None, model: str | None) -> list[bytes]:
-        """The annotation of narrated tools: an SSE comment and a chunk with no choice whose
-        `sidecar` field names them in the function shape (a client that wants to decide reads it)."""
+        """The annotation of narrated tools in a stream: an SSE comment and a chunk with no
+        choice whose `sidecar.narration` names them (a client that wants to decide reads it)."""
         out = []
         for inj in found:
-            self.metrics.narrations.labels(self.opts.on_narration).inc()
-            tools = [shapes.function_tool(t.definition) for t in inj.tools]
-            names = ", ".join(t["function"]["name"] for t in tools)
-            note = {"narration": {"tier": inj.tier, "probability": inj.probability, "trigger": inj.trigger.text, "tools": tools,
-                                  "action": self.opts.on_narration}}  # fmt: skip
-            out.append(shapes.sse_comment(f"sidecar narration: {names}"))
+            note = self._note(inj)
+            out.append(shapes.sse_comment(f"sidecar narration: {', '.join(t['function']['name'] for t in note['tools'])}"))
             out.append(shapes.sse({"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                                   "choices": [], "sidecar": note}))  # fmt: skip
+                                   "choices": [], "sidecar": {"narration": note}}))  # fmt: skip
         return out
 
     async def _whole(self, body: dict[str, Any], headers: dict[str, str], offer: Offer, judge: Judge) -> tuple[int, dict[str, Any]]:
@@ -357,22 +370,11 @@ class Proxy:
                 narration = Narration(judge, f"reply-{rounds}-{restarts}", shapes.client_tool_names(body))
                 narration.feed(reply.text)
                 found = await narration.end()
-                for inj in found:
-                    self.metrics.narrations.labels(action).inc()
-                    notes.append({"tier": inj.tier, "probability": inj.probability, "trigger": inj.trigger.text, "action": action,
-                                  "tools": [shapes.function_tool(t.definition) for t in inj.tools]})  # fmt: skip
-            messages = list(body["messages"])
-            if found and action == "restart" and restarts < self.opts.max_restarts:
-                restarts += 1
-                self.metrics.restarts.inc()
-                added = judge.add(offer, [t.definition for inj in found for t in inj.tools], shapes.client_tool_names(body))
-                body = {**body, "tools": [*(body.get("tools") or ()), *added]}
-                continue
-            if reply.our_calls and not reply.client_calls and rounds < self.opts.max_tool_rounds:
-                rounds += 1
-                results = await self._run_calls(reply, offer, judge, body)
-                body = {**body, "messages": [*messages, reply.assistant_message(), *results]}
-                body = shapes.with_tools(body, [t for t in offer.tools if t not in (body.get("tools") or ())])
+                notes += [self._note(inj) for inj in found]
+            follow, rounds, restarts = await self._follow(reply, body, offer, judge, found if action == "restart" else [], rounds, restarts,
+                                                          shown=False)  # fmt: skip
+            if follow is not None:
+                body = follow
                 continue
             out["choices"] = [{**choice, "message": message, "finish_reason": reply.client_finish()}, *out["choices"][1:]]
             if usage is not None:
