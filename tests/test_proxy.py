@@ -311,41 +311,30 @@ def test_a_narrated_tool_is_annotated_in_the_stream(tmp_path):
     run(body(), timeout=180)
 
 
-def test_a_narrated_tool_restarts_the_call_with_the_tool_added(tmp_path):
+def test_a_narrated_tool_restarts_the_call_with_the_tool_added_streamed_or_whole(tmp_path):
     replies = [Scripted(text=NARRATES), Scripted(calls=[(GET_TIME, {"timezone": "Asia/Tokyo"})]), Scripted(text="It is noon there.")]
 
     async def body():
-        with Upstream(replies) as up:
+        with Upstream(replies * 2) as up:
             async with proxying(tmp_path, up.url, {"time": TIME}, on_narration="restart") as server:
-                stream = await client(server).chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}], stream=True)
+                c = client(server)
+                stream = await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}], stream=True)
                 chunks = [c async for c in stream]
                 text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                assert text.startswith(NARRATES[:10]) and text.endswith("It is noon there.")
+                assert text.startswith(NARRATES[:10]) and text.endswith("It is noon there.")  # one continuous stream
                 assert len({c.id for c in chunks}) == 1
                 first, second, third = up.chats
-                assert first.body.get("tools") is None
-                assert GET_TIME in second.tool_names
-                assert second.body["messages"][-1]["role"] == "assistant" and NARRATES.startswith(second.body["messages"][-1]["content"][:10])
+                assert first.body.get("tools") is None and GET_TIME in second.tool_names
+                said = second.body["messages"][-1]
+                assert said["role"] == "assistant" and NARRATES.startswith(said["content"][:10])  # the reply so far goes along
                 assert json.loads(tool_messages(third.body)[0]["content"])["timezone"] == "Asia/Tokyo"
-                assert server.app.metrics.value("sidecar_proxy_restarts_total") == 1
-
-    run(body(), timeout=180)
-
-
-def test_a_whole_reply_that_narrates_is_sent_again_with_the_tool(tmp_path):
-    replies = [Scripted(text=NARRATES), Scripted(calls=[(GET_TIME, {"timezone": "Asia/Tokyo"})]), Scripted(text="It is noon there.")]
-
-    async def body():
-        with Upstream(replies) as up:
-            async with proxying(tmp_path, up.url, {"time": TIME}, on_narration="restart") as server:
-                done = await client(server).chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}])
+                done = await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}])
                 assert done.choices[0].message.content == "It is noon there."  # the client saw nothing of the first reply
                 [note] = done.model_extra["sidecar"]["narration"]
                 assert note["action"] == "restart" and note["tools"][0]["function"]["name"] == GET_TIME
-                first, second, third = up.chats
-                assert first.body.get("tools") is None and GET_TIME in second.tool_names
-                assert second.body["messages"] == first.body["messages"]
-                assert tool_messages(third.body) and server.app.metrics.value("sidecar_proxy_restarts_total") == 1
+                first, second, third = up.chats[3:]
+                assert GET_TIME in second.tool_names and second.body["messages"] == first.body["messages"]
+                assert tool_messages(third.body) and server.app.metrics.value("sidecar_proxy_restarts_total") == 2
 
     run(body(), timeout=180)
 
