@@ -31,6 +31,7 @@ class Scripted:
     error: dict[str, Any] | None = None
     delay_s: float = 0.0  # before the first byte
     pause_s: float = 0.0  # between chunks
+    cut_after: int | None = None  # a stream closed after this many chunks, without its finish or [DONE]
     usage: dict[str, Any] = field(default_factory=lambda: dict(USAGE))
 
 
@@ -107,7 +108,9 @@ class Upstream:
                 self.end_headers()
                 self.close_connection = True
                 try:
-                    for chunk in chunks(body, reply):
+                    for k, chunk in enumerate(chunks(body, reply)):
+                        if k == reply.cut_after:
+                            return
                         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                         self.wfile.flush()
                         time.sleep(reply.pause_s)

@@ -239,7 +239,7 @@ def test_errors_come_in_openai_shape(tmp_path):
 
 def test_a_client_that_goes_away_cancels_the_upstream_call(tmp_path):
     async def body():
-        with Upstream([Scripted(text=" ".join(["word"] * 200), pause_s=0.05)]) as up:
+        with Upstream([Scripted(text=" ".join(["word"] * 200), pause_s=0.05), Scripted(text="late", delay_s=3.0)]) as up:
             async with proxying(tmp_path, up.url, catalogs=[str(CATALOGS / "notes.json")]) as server:
                 stream = await client(server).chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}], stream=True)
                 async for _ in stream:
@@ -251,6 +251,30 @@ def test_a_client_that_goes_away_cancels_the_upstream_call(tmp_path):
                     await asyncio.sleep(0.05)
                 assert up.cut == [0] and not up.done, "the upstream stream was broken off, not played to its end"
                 assert server.app.metrics.value("sidecar_proxy_cancelled_total") == 1
+                with pytest.raises(openai.APITimeoutError):  # a whole request given up while the upstream thinks
+                    await client(server).with_options(timeout=0.5).chat.completions.create(
+                        model="scripted", messages=[{"role": "user", "content": CHAT}])
+                for _ in range(100):
+                    if server.app.metrics.value("sidecar_proxy_cancelled_total") == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert server.app.metrics.value("sidecar_proxy_cancelled_total") == 2
+                assert server.app.metrics.value("sidecar_proxy_requests_total", mode="whole", status="200") == 0
+
+    run(body(), timeout=180)
+
+
+def test_a_stream_the_upstream_cuts_short_ends_in_an_error_event(tmp_path):
+    async def body():
+        with Upstream([Scripted(text="one two three four five six", cut_after=3)]) as up:
+            async with proxying(tmp_path, up.url, catalogs=[str(CATALOGS / "notes.json")]) as server:
+                stream = await client(server).chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}], stream=True)
+                seen = []
+                with pytest.raises(openai.APIError) as cut:
+                    async for chunk in stream:
+                        seen += [chunk.choices[0].delta.content or ""] if chunk.choices else []
+                assert "".join(seen) == "one two " and "ended before its reply" in cut.value.message
+                assert server.app.metrics.value("sidecar_proxy_upstream_errors_total", kind="cut") == 1
 
     run(body(), timeout=180)
 

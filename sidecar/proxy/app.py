@@ -257,10 +257,13 @@ class Proxy:
             narration = Narration(judge, f"reply-{rounds}-{restarts}", shapes.client_tool_names(body)) if action != "off" else None  # body: tools as sent
             restart: list = []
             reader = shapes.SSEReader()
+            ended = False  # [DONE] seen
             try:
                 async for data in resp.aiter_bytes():
                     for ev in reader.feed(data):
-                        if ev.data is None or ev.data.strip() == "[DONE]":
+                        if ev.data is not None and ev.data.strip() == "[DONE]":
+                            ended = True
+                        if ev.data is None or ended:
                             continue
                         try:
                             chunk = orjson.loads(ev.data)
@@ -290,6 +293,10 @@ class Proxy:
                 return
             finally:
                 await resp.aclose()
+            if not ended and not restart and reply.finish_reason is None:  # closed mid-reply: not an answer
+                self.metrics.upstream_errors.labels("cut").inc()
+                yield shapes.sse(shapes.error_body("the upstream's stream ended before its reply did", "upstream_error", code="upstream_cut"))
+                return
             if narration is not None and not restart:
                 found = await narration.end()
                 for piece in self._narrated(found, first_id, body.get("model")):
