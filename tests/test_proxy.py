@@ -165,6 +165,24 @@ def test_calls_of_the_clients_own_tools_go_back_to_it(tmp_path):
     run(body(), timeout=180)
 
 
+def test_concurrent_streams_each_get_their_tools_and_their_answer(tmp_path):
+    async def body():
+        with Upstream([Scripted(text="Here you are.", pause_s=0.01)]) as up:
+            async with proxying(tmp_path, up.url, {"time": TIME}) as server:
+                c = client(server)
+
+                async def one(i: int) -> str:
+                    stream = await c.chat.completions.create(model="scripted", stream=True, user=f"agent-{i}",
+                                                             messages=[{"role": "user", "content": TOKYO if i % 2 else CHAT}])  # fmt: skip
+                    return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+                assert await asyncio.gather(*(one(i) for i in range(8))) == ["Here you are."] * 8
+                by_turn = {r.body["user"]: r.tool_names for r in up.chats}
+                assert all((GET_TIME in by_turn[f"agent-{i}"]) == bool(i % 2) for i in range(8)), by_turn
+
+    run(body(), timeout=180)
+
+
 def test_tool_choice_none_or_a_named_function_adds_nothing(tmp_path):
     async def body():
         with Upstream([Scripted(text="Fine.")]) as up:

@@ -521,7 +521,8 @@ class ProxyServer:
         import uvicorn
 
         config = uvicorn.Config(self.app, host=self.cfg.proxy.host, port=self.cfg.proxy.port, log_level="warning", access_log=False,
-                                lifespan="off", http="h11", ws="none", server_header=False)  # fmt: skip
+                                lifespan="off", http="h11", ws="none", server_header=False,
+                                timeout_graceful_shutdown=self.cfg.server.shutdown_timeout_s)  # fmt: skip
         self.http = uvicorn.Server(config)
         self.http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  (run() owns the signals)
         self._serving = asyncio.ensure_future(self.http.serve())
