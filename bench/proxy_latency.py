@@ -24,7 +24,6 @@ import asyncio
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import httpx2
@@ -119,7 +118,7 @@ async def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     items = [i for i in load_items(pathlib.Path(args.labeled)) if i.source == "user"]
-    with Upstream([Scripted(text="ok")]) as up, tempfile.TemporaryDirectory():
+    with Upstream([Scripted(text="ok")]) as up:
         overrides = {("catalogs",): args.catalog, ("model", "name"): args.model, ("store",): args.store, ("index", "query_cache"): 0,
                      ("proxy", "upstream"): up.url, ("proxy", "port"): 0}  # fmt: skip
         cfg = config_mod.load(overrides=overrides)

@@ -12,6 +12,7 @@ never replaced.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Executor
@@ -27,6 +28,8 @@ from . import shapes
 if TYPE_CHECKING:
     from ..engine import Sidecar
     from ..mcp.live import LiveCatalog
+
+log = logging.getLogger("sidecar.proxy")
 
 
 @dataclass
@@ -132,7 +135,12 @@ class Narration:
     async def _run(self) -> None:
         while self._waiting:
             batch, self._waiting = list(self._waiting.values()), {}
-            for inject in await self.judge.judge(batch):
+            try:
+                found = await self.judge.judge(batch)
+            except Exception:  # the reply still streams: a narration is an extra, not the answer
+                log.exception("judging a reply's clauses failed")
+                continue
+            for inject in found:
                 self._found(inject)
 
     def _found(self, inject: Inject) -> None:
