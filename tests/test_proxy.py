@@ -183,6 +183,28 @@ def test_concurrent_streams_each_get_their_tools_and_their_answer(tmp_path):
     run(body(), timeout=180)
 
 
+def test_a_short_follow_up_is_judged_with_the_turn_before_it(tmp_path):
+    follow_up = "And in Paris?"
+
+    async def body():
+        with Upstream([Scripted(text="Fine.")]) as up:
+            async with proxying(tmp_path, up.url, {"time": TIME}) as server:
+                c = client(server)
+                await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": follow_up}])
+                await c.chat.completions.create(model="scripted", messages=[
+                    {"role": "user", "content": TOKYO}, {"role": "assistant", "content": "It is noon in Tokyo."},
+                    {"role": "user", "content": follow_up}])  # fmt: skip
+                await c.chat.completions.create(model="scripted", messages=[
+                    {"role": "user", "content": TOKYO}, {"role": "assistant", "content": "It is noon in Tokyo."},
+                    {"role": "user", "content": "Thanks! By the way, I am planning a long trip to Japan next spring with my family."}])  # fmt: skip
+                alone, followed, long_turn = up.chats
+                assert alone.body.get("tools") is None, "the follow-up alone asks for nothing"
+                assert GET_TIME in followed.tool_names
+                assert long_turn.body.get("tools") is None, "a turn that says enough is judged alone"
+
+    run(body(), timeout=180)
+
+
 def test_tool_choice_none_or_a_named_function_adds_nothing(tmp_path):
     async def body():
         with Upstream([Scripted(text="Fine.")]) as up:
@@ -468,5 +490,5 @@ def test_tools_are_added_after_the_clients_and_never_replace_them():
     assert out["tools"][0] is OWN_TOOL and body["tools"] == [OWN_TOOL]
     assert shapes.add_usage({"total_tokens": 2, "details": {"cached": 1}}, {"total_tokens": 3, "details": {"cached": 2}}) == {
         "total_tokens": 5, "details": {"cached": 3}}  # fmt: skip
-    assert shapes.last_user_turn([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
-                                  {"role": "assistant", "content": "b"}]) == "a"  # fmt: skip
+    assert shapes.user_turns([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+                              {"role": "assistant", "content": "b"}, {"role": "user", "content": " "}]) == ["a"]  # fmt: skip

@@ -3,6 +3,9 @@
 either door. A request is one session: its last user turn is judged whole (stream "user"),
 each reply's text is fed to the streaming gate as the model writes it (stream "reply-N").
 
+A short last turn ("and in Paris?") is also judged joined to the user turn before it, in the
+same batch; its own inject comes first, the joined one stands in when it has none.
+
 Policy on top of the inject: an auto-tier inject adds its tools, a confirm-tier one only with
 `proxy.confirm_tools = "include"`; tools the conversation already called stay offered (the
 model sees its own earlier calls), and a tool whose function name the client already uses is
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     from ..mcp.live import LiveCatalog
 
 log = logging.getLogger("sidecar.proxy")
+
+CONTEXT_WORDS = 8  # a last user turn of at most this many words is also judged joined to the turn before it
 
 
 @dataclass
@@ -63,9 +68,16 @@ class Judge:
         margin = self.cfg.server.inject_margin
         return [inj for v in verdicts if (inj := inject_for(v, margin)) is not None]
 
-    async def user_turn(self, text: str) -> Inject | None:
-        found = await self.judge(self.session.on_user("user", text, time.perf_counter()))
-        return found[0] if found else None
+    async def user_turn(self, text: str, before: str = "") -> list[Inject]:
+        """The injects for the last user turn: its own and, for a short turn ("and in Paris?")
+        with a user turn `before` it, that of both turns joined, judged in the same batch (one
+        embedding call): what a follow-up needs is often named only in the turn it follows."""
+        now = time.perf_counter()
+        evaluations = self.session.on_user("user", text, now)
+        if before and len(text.split()) <= CONTEXT_WORDS:
+            evaluations += self.session.on_user("context", f"{before}\n{text}", now)
+        found = {inj.stream: inj for inj in await self.judge(evaluations)}
+        return [found[s] for s in ("user", "context") if s in found]
 
     def allowed(self, inject: Inject) -> bool:
         """The tier policy: auto always, confirm only when configured to include it."""
@@ -102,9 +114,10 @@ class Judge:
             return offer
         messages = body["messages"]
         taken = shapes.client_tool_names(body)
-        text = shapes.last_user_turn(messages)
-        inject = await self.user_turn(text) if text else None
-        if inject is not None and self.allowed(inject):
+        turns = shapes.user_turns(messages)
+        found = await self.user_turn(turns[-1], turns[-2] if len(turns) > 1 else "") if turns else []
+        inject = next((inj for inj in found if self.allowed(inj)), None)
+        if inject is not None:
             offer.tier, offer.probability = inject.tier, inject.probability
             self.add(offer, [t.definition for t in inject.tools], taken)
         catalog = self.engine.catalog

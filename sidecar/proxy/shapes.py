@@ -87,12 +87,9 @@ def text_of(content: Any) -> str:
     return ""
 
 
-def last_user_turn(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The text of the conversation's last user message ("" when it has none)."""
-    for m in reversed(messages):
-        if m.get("role") == "user":
-            return text_of(m.get("content")).strip()
-    return ""
+def user_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The text of each user message with any, in order."""
+    return [t for m in messages if m.get("role") == "user" and (t := text_of(m.get("content")).strip())]
 
 
 def called_names(messages: Iterable[Mapping[str, Any]]) -> list[str]:
