@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -501,10 +502,14 @@ class ProxyServer:
         self.app: Proxy | None = None
         self.http = None
         self._serving: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
 
     async def start(self) -> None:
+        """Bind (a busy port fails here, before anything loads), load, then serve: connections
+        made while loading wait in the listen backlog."""
         from ..server import open_engine
 
+        sock = self._sock = _bind(self.cfg.proxy.host, self.cfg.proxy.port)
         loop = asyncio.get_running_loop()
         build = lambda: self.engine or open_engine(self.cfg, self.catalog, self.store, live=self.mcp is not None, progress=self.progress)  # noqa: E731
         if self.mcp is None:
@@ -525,11 +530,11 @@ class ProxyServer:
                                 timeout_graceful_shutdown=self.cfg.server.shutdown_timeout_s)  # fmt: skip
         self.http = uvicorn.Server(config)
         self.http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  (run() owns the signals)
-        self._serving = asyncio.ensure_future(self.http.serve())
+        self._serving = asyncio.ensure_future(self.http.serve(sockets=[sock]))
         while not self.http.started:
             if self._serving.done():
-                self._serving.result()  # raises why it could not bind
-                raise OSError(f"cannot listen on {self.cfg.proxy.host}:{self.cfg.proxy.port}")
+                self._serving.result()
+                raise OSError(f"cannot serve on {self.cfg.proxy.host}:{self.cfg.proxy.port}")
             await asyncio.sleep(0.02)
 
     @property
@@ -541,6 +546,8 @@ class ProxyServer:
         return f"http://{self.cfg.proxy.host}:{self.port}/v1"
 
     async def shutdown(self) -> None:
+        if self._sock is not None and self._serving is None:  # bound, never served (the load failed)
+            self._sock.close()
         if self.http is not None:
             self.http.should_exit = True
             if self._serving is not None:
@@ -553,6 +560,16 @@ class ProxyServer:
         if self.manager is not None:
             await self.manager.aclose()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6, as the host resolves); OSError names
+    the address when it is taken."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None, progress: bool = True) -> int:
