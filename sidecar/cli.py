@@ -429,6 +429,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(server.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from . import catalog as catalog_mod
+    from .proxy import app
+    from .store import open_store
+
+    cfg = _config(args, {("proxy", "upstream"): args.upstream, ("proxy", "host"): args.host, ("proxy", "port"): args.port,
+                         ("proxy", "confirm_tools"): args.confirm_tools, ("proxy", "on_narration"): args.on_narration})  # fmt: skip
+    if not cfg.proxy.upstream:
+        raise ValueError("no upstream: give --upstream URL, the chat API's base URL (e.g. http://127.0.0.1:8000/v1)")
+    cat = catalog_mod.load(cfg.catalogs) if cfg.catalogs else None  # fail before binding
+    live = None
+    if args.mcp_config is not None:
+        from .mcp import config as mcp_config
+
+        live = mcp_config.load(args.mcp_config)
+    if cat is None and live is None:
+        raise ValueError("no tools to add: give --mcp-config mcp.json (tools the proxy can run) and/or --catalog FILE")
+    store = open_store(cfg.store)
+    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
+
+    def announce(msg: str) -> None:
+        print(f"sidecar: {msg}", file=sys.stderr, flush=True)
+
+    return asyncio.run(app.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
     for name in names:
@@ -585,6 +614,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcp-config", metavar="FILE", help="mcpServers JSON (as `sidecar mcp` reads it): index the live servers' tools "
                    "beside --catalog, follow their list changes, and withhold the tools of a server that is down")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("proxy", help="an OpenAI-compatible endpoint in front of a chat API that adds the injected tools and runs the MCP ones (docs/proxy.md)")
+    _common(p)
+    p.add_argument("--upstream", metavar="URL", help="the chat API's base URL, as the openai SDK's base_url (e.g. http://127.0.0.1:8000/v1; env SIDECAR_UPSTREAM)")
+    p.add_argument("--mcp-config", metavar="FILE", help="mcpServers JSON: their tools are injected and run by the proxy")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8766, 0 for any free one)")
+    p.add_argument("--confirm-tools", choices=("include", "exclude"), help="add the tools of a confirm-tier inject too (default exclude: auto tier only)")
+    p.add_argument("--on-narration", choices=("restart", "annotate", "off"), help="a reply narrating a tool it was not given: send the request "
+                   "again with it (restart), name it in the stream (annotate, the default), or nothing (off)")
+    p.set_defaults(func=cmd_proxy)
 
     model = sub.add_parser("model", help="provision embedding models").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("pull", help=f"fetch and verify a known model into the model dir, and quantise it ({', '.join(models.PULLED_QUANTS)})")

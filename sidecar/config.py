@@ -245,6 +245,39 @@ class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"cascade.reject_below={self.reject_below} must be a probability within 0..1")
 
 
+class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """`sidecar proxy`: an OpenAI-compatible endpoint in front of an upstream chat API, which
+    adds the tools the engine injects to each request (docs/proxy.md)."""
+
+    upstream: str | None = None  # the upstream's base URL, e.g. http://127.0.0.1:8000/v1 (required by `sidecar proxy`)
+    host: str = "127.0.0.1"  # loopback unless asked otherwise
+    port: int = 8766  # 0: any free port
+    # Which of the gate's tiers add tools: an auto-tier inject always does (unless the request's
+    # tool_choice is "none"); a confirm-tier one only with "include".
+    confirm_tools: Literal["include", "exclude"] = "exclude"
+    # A reply that narrates an action needing a tool it was not given: "annotate" names the tools
+    # in the stream (an SSE comment and a chunk with a `sidecar` field), "restart" stops the
+    # upstream call and sends it again with the tools added, "off" only reads.
+    on_narration: Literal["restart", "annotate", "off"] = "annotate"
+    max_restarts: int = 1  # restarts per request with on_narration = "restart"
+    max_tool_rounds: int = 4  # upstream calls answered with injected MCP tools' results per request
+    connect_timeout_s: float = 10.0  # reaching the upstream (past it: 502)
+    read_timeout_s: float = 300.0  # the upstream's silence, between bytes (past it: 504)
+    max_body_bytes: int = 8 << 20  # a larger request body gets 413
+    max_tool_result_chars: int = 20_000  # an MCP tool's result handed to the model is cut here
+
+    def __post_init__(self) -> None:
+        if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"proxy.upstream={self.upstream!r} must be an http:// or https:// URL")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"proxy.port={self.port} must be within 0..65535")
+        if self.max_restarts < 0:
+            raise ValueError(f"proxy.max_restarts={self.max_restarts} must not be negative")
+        for key in ("max_tool_rounds", "connect_timeout_s", "read_timeout_s", "max_body_bytes", "max_tool_result_chars"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"proxy.{key}={getattr(self, key)} must be positive")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
@@ -253,6 +286,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     recommend: RecommendConfig = msgspec.field(default_factory=RecommendConfig)
     cascade: CascadeConfig = msgspec.field(default_factory=CascadeConfig)
     learn: LearnConfig = msgspec.field(default_factory=LearnConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     catalogs: list[str] = []
     store: str | None = None  # SQLite file (default: XDG data dir) or postgresql://user@host/db (shared by replicas)
     calibration: str | None = None  # file written by `sidecar tune`
@@ -270,6 +304,7 @@ ENV = {
     "SIDECAR_HOST": ("server", "host"),
     "SIDECAR_PORT": ("server", "port"),
     "SIDECAR_TOKEN": ("server", "token"),
+    "SIDECAR_UPSTREAM": ("proxy", "upstream"),
 }
 _INTEGERS = ("threads", "bulk_threads", "port")  # env values converted when they are digits
 

@@ -279,12 +279,7 @@ class SidecarServer:
         def build() -> Sidecar:
             if self._given is not None:
                 return self._given
-            catalog = self.catalog
-            if catalog is None and self.mcp is not None and not self.cfg.catalogs:
-                catalog = Catalog([])  # the live servers' tools alone
-            engine = Sidecar.open(self.cfg, catalog=catalog, store=self.store, progress=self.progress)
-            engine.recommender.prepare()  # before "listening on", not on the first user's request
-            return engine
+            return open_engine(self.cfg, self.catalog, self.store, live=self.mcp is not None, progress=self.progress)
 
         try:
             if self.mcp is None:
@@ -598,6 +593,17 @@ class SidecarServer:
                 self.store.checkpoint()
             except Exception:
                 log.exception("store checkpoint failed")
+
+
+def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, live: bool, progress: bool) -> Sidecar:
+    """The engine `serve` and `proxy` run on, ranking ready (before "listening on", not on the
+    first user's request). With `live` MCP servers and no catalog files, it starts on no tools:
+    the live servers' tools are indexed into it (mcp/live.py)."""
+    if catalog is None and live and not cfg.catalogs:
+        catalog = Catalog([])  # the live servers' tools alone
+    engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
+    engine.recommender.prepare()
+    return engine
 
 
 def timed_judge(batch: list[Evaluation]) -> tuple[list[Verdict], list[int], float]:

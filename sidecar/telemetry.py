@@ -68,6 +68,41 @@ class Metrics:
         return self.registry.get_sample_value(sample, labels) or 0.0
 
 
+TOOLS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class ProxyMetrics:
+    """What `sidecar proxy`'s /metrics shows (one registry per proxy)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("sidecar_proxy_requests", "Chat completion requests, by stream or not and the status answered.",
+                                ("mode", "status"), registry=r)  # fmt: skip
+        self.tools_added = Histogram("sidecar_proxy_tools_added", "Tools the proxy added to a request (before any narration).",
+                                     buckets=TOOLS_BUCKETS, registry=r)  # fmt: skip
+        self.schema_tokens_sent = Counter("sidecar_proxy_schema_tokens_sent", "Tokens of the tool schemas the proxy added "
+                                          "(cl100k_base, OpenAI function shape).", registry=r)  # fmt: skip
+        self.schema_tokens_saved = Counter("sidecar_proxy_schema_tokens_saved", "Tokens of tool schemas not sent: the whole "
+                                           "catalog's minus those added, per request.", registry=r)  # fmt: skip
+        self.catalog_tokens = Gauge("sidecar_proxy_catalog_schema_tokens", "Tokens of every catalog tool's schema in one request.",
+                                    registry=r)  # fmt: skip
+        self.gate = Histogram("sidecar_proxy_judge_seconds", "Judging a request's last user turn, before it goes upstream.",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.narrations = Counter("sidecar_proxy_narrations", "Replies whose text called for tools they were not given, by action.",
+                                  ("action",), registry=r)  # fmt: skip
+        self.restarts = Counter("sidecar_proxy_restarts", "Upstream calls stopped and sent again with narrated tools.", registry=r)
+        self.mcp_calls = Counter("sidecar_proxy_mcp_calls", "Injected MCP tools the proxy ran, by outcome.", ("outcome",), registry=r)
+        self.upstream_errors = Counter("sidecar_proxy_upstream_errors", "Upstream calls that failed, by kind.", ("kind",), registry=r)
+        self.cancelled = Counter("sidecar_proxy_cancelled", "Requests whose client went away before the answer.", registry=r)
+        ProcessCollector(registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, sample: str, **labels: str) -> float:
+        return self.registry.get_sample_value(sample, labels) or 0.0
+
+
 class _Live(Collector):
     """Values read from the server when scraped, not counted twice."""
 

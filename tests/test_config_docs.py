@@ -162,7 +162,7 @@ def subparsers() -> dict[str, argparse.ArgumentParser]:
 
 
 # The arguments each command needs before it reads the configuration (which it does first).
-REQUIRED = {"detect": ["some text"], "recommend": ["a query"], "eval": ["--labeled", "x.jsonl"],
+REQUIRED = {"detect": ["some text"], "recommend": ["a query"], "eval": ["--labeled", "x.jsonl"], "proxy": [],
             "tune": ["--labeled", "x.jsonl"], "replay": ["x.jsonl"], "serve": [], "metrics": []}  # fmt: skip
 
 

@@ -22,13 +22,11 @@ import contextlib
 import functools
 import logging
 import signal
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mcp_types as types
-import orjson
 from mcp.server.lowlevel import Server
 
 from .. import __version__
@@ -38,6 +36,7 @@ from ..engine import Sidecar, open_history
 from ..metrics import key_of
 from ..store import Store
 from . import meta
+from .calls import call_recorded, error, result
 from .connections import ConnectionManager, ServerUnavailable, describe
 from .live import LiveCatalog, go_live
 
@@ -47,20 +46,6 @@ INSTRUCTIONS = (
     "This server stands in for many MCP servers. Call find_tool with what you want to do to get the "
     "matching tools' definitions, then call_tool with one's name and arguments."
 )
-
-
-def _result(payload: dict[str, Any], is_error: bool = False, content: list[Any] | None = None) -> types.CallToolResult:
-    """A tool result carrying `payload` as structured content and as JSON text."""
-    text = types.TextContent(type="text", text=orjson.dumps(payload).decode())
-    return types.CallToolResult(content=[*(content or []), text], structured_content=payload, is_error=is_error)
-
-
-def _error(message: str, **extra: Any) -> types.CallToolResult:
-    return _result({"error": message, **extra}, is_error=True)
-
-
-def _text_of(result: types.CallToolResult) -> str:
-    return " ".join(c.text for c in result.content if isinstance(c, types.TextContent)).strip()
 
 
 class MetaServer:
@@ -146,50 +131,32 @@ class MetaServer:
         if params.name == meta.CALL_TOOL:
             name, arguments = args.get("name"), args.get("arguments") or {}
             if not isinstance(name, str) or not name:
-                return _error('call_tool needs "name": the tool\'s exact name as find_tool gave it')
+                return error('call_tool needs "name": the tool\'s exact name as find_tool gave it')
             if not isinstance(arguments, dict):
-                return _error('call_tool\'s "arguments" must be an object', tool=name)
+                return error('call_tool\'s "arguments" must be an object', tool=name)
             return await self.call(name, arguments)
         if params.name in self.keep_tools:
             return await self.call(params.name, args)
-        return _error(f"no tool named {params.name!r} here: find it with find_tool, then call it with call_tool")
+        return error(f"no tool named {params.name!r} here: find it with find_tool, then call it with call_tool")
 
     async def find_tool(self, query: Any, limit: Any = meta.DEFAULT_LIMIT) -> types.CallToolResult:
         if not isinstance(query, str) or not query.strip():
-            return _error('find_tool needs "query": what you want to do, in plain words')
+            return error('find_tool needs "query": what you want to do, in plain words')
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= meta.MAX_LIMIT:
-            return _error(f'find_tool\'s "limit" must be an integer from 1 to {meta.MAX_LIMIT}')
+            return error(f'find_tool\'s "limit" must be an integer from 1 to {meta.MAX_LIMIT}')
         try:
             await self.ready()
         except Exception as e:
-            return _error(f"the tool index is not available: {describe(e)}")
+            return error(f"the tool index is not available: {describe(e)}")
         ranked = await self._recommender("recommend", query, top=limit)
         every = meta.all_tools(self.manager.listings())
         tools = [{**every[r.tool], "score": round(r.score, 4), "why": r.why} for r in ranked.results if r.tool in every]
-        return _result({"query": query, "tools": tools})
+        return result({"query": query, "tools": tools})
 
     async def call(self, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         """Call a server__tool on its live server, record the call, and on failure suggest
-        fallbacks. A name no server lists is an error and is not recorded."""
-        server, tool = key_of(None, name)
-        listed = self.manager.listings().get(server)
-        if server not in self.manager.names or (listed is not None and all(d["name"] != tool for d in listed)):
-            return _error(f"no tool named {name!r}: use find_tool to get the exact name", tool=name)
-        t0 = time.perf_counter()
-        result: types.CallToolResult | None = None
-        try:
-            result = await self.manager.call(server, tool, arguments)
-            error = (_text_of(result) or "the tool reported an error") if result.is_error else None
-        except ServerUnavailable as e:
-            error = str(e)
-        except Exception as e:  # a protocol error (bad arguments, unknown tool) or a timeout
-            error = describe(e, self.manager.options.request_timeout)
-        latency_ms = (time.perf_counter() - t0) * 1000
-        self.metrics.record_call(server, tool, error is None, latency_ms, error)
-        if error is None:
-            return result
-        payload = {"error": error, "tool": name, "fallback_suggestions": await self._fallbacks(name)}
-        return _result(payload, is_error=True, content=list(result.content) if result is not None else None)
+        fallbacks (calls.call_recorded)."""
+        return await call_recorded(self.manager, self.metrics, name, arguments, self._fallbacks)
 
     async def _fallbacks(self, name: str) -> list[dict[str, Any]]:
         """Stand-ins for a failed tool, as full definitions with score and reason ([] while the

@@ -1,0 +1,151 @@
+"""What `sidecar proxy` costs and saves, on one catalog and a labelled set's user turns.
+
+    python bench/proxy_latency.py [--model NAME] [--catalog FILE...] [--labeled FILE] [--requests N] [--json]
+
+1. Latency added before the first upstream byte: each text is sent as a chat completion
+   request twice, straight to a local scripted upstream (tests/openai_upstream.py, on
+   127.0.0.1) and through an in-process proxy in front of it; the upstream notes when it has
+   read each request. Added = through the proxy minus straight, per text. Beside it, one
+   `detect` of the same text on the same engine (`Sidecar.judge`, what `sidecar detect` runs).
+   The query cache is off, so no text is served from an earlier embedding.
+2. Tool-schema tokens per request: every user turn of the labelled set is judged as the proxy
+   judges a request (offer.Judge, the configured tier policy and both policies), and the tools
+   it would add are counted (cl100k_base, OpenAI function shape) against sending every catalog
+   tool; recall is the share of turns needing a tool whose expected tool is among those added.
+
+Defaults: the default model, fixtures/catalogs/ALL.json, fixtures/corpus/heldout.jsonl (held out
+of every fit), 200 latency requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import statistics
+import sys
+import time
+
+import httpx2
+import msgspec
+import orjson
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar import catalog as catalog_mod  # noqa: E402
+from sidecar import config as config_mod  # noqa: E402
+from sidecar.mcp.savings import count_tokens  # noqa: E402
+from sidecar.pipeline import Request  # noqa: E402
+from sidecar.proxy import shapes  # noqa: E402
+from sidecar.proxy.app import ProxyServer  # noqa: E402
+from sidecar.proxy.offer import Judge  # noqa: E402
+from bench.gate_latency import load_items  # noqa: E402
+from bench.gate_latency import pct as percentile  # noqa: E402
+from tests.openai_upstream import Scripted, Upstream  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    return round(percentile(values, q), 2)
+
+
+def tokens(tools: list[dict]) -> int:
+    return count_tokens(orjson.dumps(tools).decode()) if tools else 0
+
+
+async def latency(server: ProxyServer, up: Upstream, texts: list[str]) -> dict:
+    added, straight, detect = [], [], []
+    engine = server.engine
+    gate = server.app.metrics
+    judged0, n0 = gate.value("sidecar_proxy_judge_seconds_sum"), gate.value("sidecar_proxy_judge_seconds_count")
+    async with httpx2.AsyncClient(timeout=60) as http:
+        for i, text in enumerate(texts):
+            body = {"model": "scripted", "messages": [{"role": "user", "content": text}]}
+            ms = {}
+            for where, base in (("straight", up.url), ("proxy", server.url)) if i % 2 else (("proxy", server.url), ("straight", up.url)):
+                t0 = time.perf_counter()
+                resp = await http.post(base + "/chat/completions", json=body)
+                resp.raise_for_status()
+                ms[where] = (up.requests[-1].at - t0) * 1000
+            t0 = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(server.executor, engine.judge, [Request(text, "user")])
+            detect.append((time.perf_counter() - t0) * 1000)
+            straight.append(ms["straight"])
+            added.append(ms["proxy"] - ms["straight"])
+    return {"requests": len(texts), "added_ms": {"p50": pct(added, 50), "p90": pct(added, 90), "p99": pct(added, 99)},
+            "straight_ms": {"p50": pct(straight, 50)},
+            "proxy_judge_mean_ms": round((gate.value("sidecar_proxy_judge_seconds_sum") - judged0) * 1000
+                                         / max(1, gate.value("sidecar_proxy_judge_seconds_count") - n0), 2), "detect_ms": {"p50": pct(detect, 50), "p90": pct(detect, 90), "p99": pct(detect, 99)},
+            "ratio_p50": round(pct(added, 50) / pct(detect, 50), 3) if pct(detect, 50) else None}  # fmt: skip
+
+
+async def schema_tokens(server: ProxyServer, items: list) -> dict:
+    engine = server.engine
+    every = tokens([shapes.function_tool(t.definition()) for t in engine.catalog])
+    out = {"catalog_tools": len(engine.catalog), "catalog_tokens": every, "turns": len(items),
+           "turns_needing_a_tool": sum(bool(i.expect) for i in items), "policies": {}}  # fmt: skip
+    for policy in ("exclude", "include"):
+        cfg = msgspec.structs.replace(server.cfg, proxy=msgspec.structs.replace(server.cfg.proxy, confirm_tools=policy))
+        sent, added, hit, need, fired_none = [], [], 0, 0, 0
+        for it in items:
+            offer = await Judge(cfg, engine, None, server.executor).offer({"model": "m", "messages": [{"role": "user", "content": it.text}]})
+            sent.append(tokens(offer.tools))
+            added.append(len(offer.tools))
+            expected = [it.expect] if isinstance(it.expect, str) else list(it.expect or ())
+            if expected:
+                need += 1
+                hit += any(name in offer.names.values() for name in expected)
+            elif offer.tools:
+                fired_none += 1
+        mean = statistics.fmean(sent)
+        out["policies"][policy] = {
+            "mean_tokens_per_request": round(mean, 1), "share_of_catalog": round(mean / every, 5),
+            "mean_tools_added": round(statistics.fmean(added), 3), "recall": round(hit / need, 4) if need else None,
+            "tools_added_to_turns_needing_none": round(fired_none / max(1, len(items) - need), 4),
+            "p99_tokens": pct([float(s) for s in sent], 99),
+        }  # fmt: skip
+    return out
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="embedding model (default: the config's default)")
+    ap.add_argument("--catalog", nargs="+", default=[str(ROOT / "fixtures/catalogs/ALL.json")])
+    ap.add_argument("--labeled", default=str(ROOT / "fixtures/corpus/heldout.jsonl"))
+    ap.add_argument("--store", default=None, help="store (default: the config's; tool embeddings cached there)")
+    ap.add_argument("--requests", type=int, default=200, help="latency requests (user turns of the labelled set, in order)")
+    ap.add_argument("--no-tokens", action="store_true", help="skip the tokens figure")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    items = [i for i in load_items(pathlib.Path(args.labeled)) if i.source == "user"]
+    with Upstream([Scripted(text="ok")]) as up:
+        overrides = {("catalogs",): args.catalog, ("model", "name"): args.model, ("store",): args.store, ("index", "query_cache"): 0,
+                     ("proxy", "upstream"): up.url, ("proxy", "port"): 0}  # fmt: skip
+        cfg = config_mod.load(overrides=overrides)
+        server = ProxyServer(cfg, catalog=catalog_mod.load(cfg.catalogs))
+        await server.start()
+        try:
+            texts = [i.text for i in items[: args.requests]]
+            await latency(server, up, texts[:10])  # warm-up: connections, caches, the model's first calls
+            report = {"model": server.engine.pipeline.embedder.name, "catalog": [pathlib.Path(c).name for c in args.catalog],
+                      "labeled": pathlib.Path(args.labeled).name, "latency": await latency(server, up, texts)}  # fmt: skip
+            if not args.no_tokens:
+                report["tokens"] = await schema_tokens(server, items)
+        finally:
+            await server.shutdown()
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        return
+    lat = report["latency"]
+    print(f"{report['model']}, {', '.join(report['catalog'])}, {lat['requests']} requests of {report['labeled']}")
+    print(f"added before the first upstream byte: p50 {lat['added_ms']['p50']} ms (p90 {lat['added_ms']['p90']}); "
+          f"one detect: p50 {lat['detect_ms']['p50']} ms; ratio {lat['ratio_p50']}")  # fmt: skip
+    if "tokens" in report:
+        t = report["tokens"]
+        for policy, p in t["policies"].items():
+            print(f"confirm_tools={policy}: {p['mean_tokens_per_request']} schema tokens per request "
+                  f"({p['share_of_catalog']:.2%} of {t['catalog_tokens']:,}), {p['mean_tools_added']} tools, recall {p['recall']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
