@@ -492,3 +492,32 @@ def test_tools_are_added_after_the_clients_and_never_replace_them():
         "total_tokens": 5, "details": {"cached": 3}}  # fmt: skip
     assert shapes.user_turns([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
                               {"role": "assistant", "content": "b"}, {"role": "user", "content": " "}]) == ["a"]  # fmt: skip
+
+
+def test_the_proxy_learns_each_fresh_turn_with_the_tools_the_model_called(tmp_path):
+    """Learning from traffic needs no client code behind the proxy: it sees the model's calls.
+    A request ending with a user turn is an example of the tools called in answer (the proxy's
+    own MCP tools and the client's alike), or of none; a request carrying tool results continues
+    a turn already recorded."""
+    replies = [Scripted(calls=[(GET_TIME, {"timezone": "Asia/Tokyo"})]), Scripted(text="It is noon in Tokyo."),
+               Scripted(text="Lovely, thanks!"), Scripted(text="Checking.", calls=[("lookup_order", {"number": "A-17"})]),
+               Scripted(text="It has shipped.")]  # fmt: skip
+
+    async def body():
+        with Upstream(replies) as up:
+            async with proxying(tmp_path, up.url, {"time": TIME}) as server:
+                c = client(server)
+                await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": TOKYO}], tools=[OWN_TOOL])
+                await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}], tools=[OWN_TOOL])
+                order = [{"role": "user", "content": "where is my order A-17?"}]
+                done = await c.chat.completions.create(model="scripted", messages=order, tools=[OWN_TOOL])
+                call = done.choices[0].message.tool_calls[0]
+                await c.chat.completions.create(model="scripted", tools=[OWN_TOOL], messages=[
+                    *order, {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": call.id, "type": "function", "function": {"name": "lookup_order", "arguments": call.function.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "shipped"}])  # fmt: skip
+                await server.app.learner.drain()
+                return [(e.text, e.tool, e.session[:6]) for e in server.app.learner.log.examples()]
+
+    examples = run(body(), timeout=180)
+    assert examples == [(TOKYO, GET_TIME, "proxy:"), (CHAT, None, "proxy:"), ("where is my order A-17?", "lookup_order", "proxy:")], examples

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import signal
 import socket
@@ -32,9 +33,11 @@ from .. import __version__
 from ..catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar
+from ..learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
 from ..telemetry import CONTENT_TYPE, ProxyMetrics
+from ..traffic import Turn
 from ..web import _hostname, _loopback
 from . import shapes
 from .offer import Judge, Narration, Offer
@@ -81,6 +84,7 @@ class Proxy:
                                  pool=self.opts.connect_timeout_s)  # fmt: skip
         self.http = httpx2.AsyncClient(timeout=timeout, trust_env=False)
         self.metrics = ProxyMetrics()
+        self.learner: Learner | None = None  # learning from traffic ([learn] traffic): set by ProxyServer
         self._counted: tuple[Catalog, int] | None = None
 
     async def aclose(self) -> None:
@@ -191,6 +195,21 @@ class Proxy:
             await _respond(send, e.status, e.content, e.content_type)
         finally:  # counted once the request is on its way, not before it
             await self._count(offer)
+            self._learn(body, judge)
+
+    def _learn(self, body: dict[str, Any], judge: Judge) -> None:
+        """A fresh user turn (the request ends with a user message) and the tools the model called
+        in answer, or none: an example for learning from traffic. A request that ends with tool
+        results continues a turn already recorded. A conversation (named by its first user
+        message) is one session: its share of the examples is bounded."""
+        messages = body.get("messages") or []
+        turns = shapes.user_turns(messages)
+        if self.learner is None or not messages or messages[-1].get("role") != "user" or not turns:
+            return
+        vector = judge.vectors.get("user")
+        if vector is not None:
+            conversation = hashlib.sha256(turns[0].encode()).hexdigest()[:16]
+            self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], f"proxy:{conversation}")
 
     async def _count(self, offer: Offer) -> None:
         self.metrics.tools_added.observe(len(offer.tools))
@@ -332,6 +351,7 @@ class Proxy:
         with the rounds and restarts counted: a restart with the `narrated` tools (within
         max_restarts; the reply so far goes along when the client was `shown` it), else a round
         with the results of the proxy's calls (within max_tool_rounds)."""
+        judge.called += [offer.names.get(c.name, c.name) for c in reply.calls.values() if c.name]
         messages = list(body["messages"])
         if narrated and restarts < self.opts.max_restarts:
             self.metrics.restarts.inc()
@@ -522,6 +542,9 @@ class ProxyServer:
             self.manager.start()
             self.engine, self.live = await go_live(self.manager, build, self.executor)
         self.app = Proxy(self.cfg, self.engine, self.executor, live=self.live, manager=self.manager)
+        if self.cfg.learn.traffic and self.engine.store is not None:
+            self.app.learner = Learner(self.engine, self.cfg.learn)
+            self.app.learner.refit()  # what earlier runs recorded, in the background
         await self.app.catalog_tokens()
         import uvicorn
 
@@ -554,6 +577,9 @@ class ProxyServer:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._serving, self.cfg.server.shutdown_timeout_s)
         if self.app is not None:
+            if self.app.learner is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.app.learner.drain(), self.cfg.server.shutdown_timeout_s)
             await self.app.aclose()
         if self.live is not None:
             self.live.close()

@@ -57,6 +57,8 @@ class Judge:
     def __init__(self, cfg: Config, engine: Sidecar, live: LiveCatalog | None, executor: Executor, agent: str | None = None):
         self.cfg, self.engine, self.live, self.executor = cfg, engine, live, executor
         self.session = Session(cfg.server)
+        self.vectors: dict[str, Any] = {}  # each judged user stream's query vector (what learning from traffic keeps)
+        self.called: list[str] = []  # catalog names of the tools the model called in this request's replies, first first
         down = live.unavailable if live is not None else None
         self.session.start(Hello(session="proxy", agent=agent), Scope(None, Context(agent=agent), engine, down))
 
@@ -65,6 +67,7 @@ class Judge:
         if not evaluations:
             return []
         verdicts, _ = await asyncio.get_running_loop().run_in_executor(self.executor, judge, evaluations)
+        self.vectors.update((v.ev.stream.id, v.judgement.vector) for v in verdicts if v.ev.source == "user")
         margin = self.cfg.server.inject_margin
         return [inj for v in verdicts if (inj := inject_for(v, margin)) is not None]
 
