@@ -57,12 +57,12 @@ def test_stdio_find_call_record_and_fall_back(tmp_path, fs_server, fs_root):
         async with mcp.Client(params, read_timeout_seconds=120) as client:
             # The agent sees the two meta-tools and the keep_tools, with their real schemas.
             listed = (await client.list_tools()).tools
-            assert [t.name for t in listed] == ["find_tool", "call_tool", KEEP]
+            assert [t.name for t in listed] == ["find_tool", "call_tool", "get_tool_alternatives", KEEP]
             assert listed[0].input_schema == FIND_TOOL_DEF["inputSchema"] and listed[1].input_schema == CALL_TOOL_DEF["inputSchema"]
             direct = mcp_config.parse({"mcpServers": {"filesystem": doc["mcpServers"]["filesystem"]}}, "direct.json")
             async with ConnectionManager(direct) as m:
                 real = next(t for t in await m.list_tools("filesystem") if t["name"] == "list_directory")
-            assert listed[2].input_schema == real["inputSchema"] and listed[2].description == real["description"]
+            assert listed[3].input_schema == real["inputSchema"] and listed[3].description == real["description"]
 
             # find_tool: the recommender's ranking, as full definitions.
             found = await client.call_tool("find_tool", {"query": "what time is it in Tokyo", "limit": 3})
@@ -94,6 +94,11 @@ def test_stdio_find_call_record_and_fall_back(tmp_path, fs_server, fs_root):
             assert all({"description", "inputSchema", "score", "reason"} <= set(s) for s in suggested)
             assert "filesystem__read_text_file" not in [s["name"] for s in suggested]
 
+            # Alternatives on demand: the same stand-ins, for a tool named exactly.
+            alts = await client.call_tool("get_tool_alternatives", {"name": "filesystem__read_text_file"})
+            assert not alts.is_error and [a["name"] for a in alts.structured_content["alternatives"]] == [s["name"] for s in suggested]
+            assert (await client.call_tool("get_tool_alternatives", {"name": "read_text_file"})).is_error  # not its exact name
+
             # A server that dies mid-call: an error result, and the working stand-in is suggested.
             died = await client.call_tool("call_tool", {"name": "web__fetch_page", "arguments": {"url": "http://127.0.0.1/page"}})
             assert died.is_error and "unavailable" in died.structured_content["error"]
@@ -122,6 +127,29 @@ def test_stdio_find_call_record_and_fall_back(tmp_path, fs_server, fs_root):
     assert web["download_page"]["success_count"] == 1 and web["download_page"]["avg_latency_ms"] is not None
 
 
+def test_a_failed_call_is_answered_by_a_fallback_that_takes_its_arguments_when_asked(tmp_path, fs_server, fs_root):
+    """auto_retry_fallback: the dying server's fetch_page fails mid-call; download_page takes the
+    same arguments and answers, and the result says so. Both calls are on record."""
+    doc = write_config(tmp_path, fs_server, fs_root, web=DYING)
+    doc["sidecar"]["auto_retry_fallback"] = True
+    (tmp_path / "mcp.json").write_text(json.dumps(doc))
+    params = mcp.StdioServerParameters(command=sys.executable, args=sidecar_args(tmp_path), cwd=str(ROOT), env=dict(os.environ))
+
+    async def body():
+        async with mcp.Client(params, read_timeout_seconds=120) as client:
+            got = await client.call_tool("call_tool", {"name": "web__fetch_page", "arguments": {"url": "http://127.0.0.1/page"}})
+            assert not got.is_error, got
+            assert got.content[0].text.startswith("web__fetch_page failed") and "web__download_page answered instead" in got.content[0].text
+            assert "the page at" in got.content[1].text
+            missing = await client.call_tool("call_tool", {"name": "filesystem__read_text_file", "arguments": {"path": str(fs_root / "absent.txt")}})
+            assert missing.is_error  # its stand-ins fail alike: the first failure is what comes back, with them
+            assert missing.structured_content["tool"] == "filesystem__read_text_file"
+
+    run(body(), timeout=300)
+    rows = calls_on_record(tmp_path / "sidecar.db")
+    assert rows[:2] == [("web", "fetch_page", 0, 1, 1), ("web", "download_page", 1, 0, 1)]
+
+
 def test_streamable_http_on_loopback(tmp_path, fs_server, fs_root):
     write_config(tmp_path, fs_server, fs_root)
     port = free_port()
@@ -133,7 +161,7 @@ def test_streamable_http_on_loopback(tmp_path, fs_server, fs_root):
     async def body():
         await listening(port, proc, log, timeout=60)
         async with mcp.Client(f"http://127.0.0.1:{port}/mcp", read_timeout_seconds=120) as client:
-            assert [t.name for t in (await client.list_tools()).tools] == ["find_tool", "call_tool", KEEP]
+            assert [t.name for t in (await client.list_tools()).tools] == ["find_tool", "call_tool", "get_tool_alternatives", KEEP]
             now = await client.call_tool("call_tool", {"name": "time__get_current_time", "arguments": {"timezone": "UTC"}})
             assert not now.is_error and "UTC" in now.content[0].text
 
@@ -158,7 +186,7 @@ def test_savings_of_live_servers(tmp_path, fs_server, fs_root):
     write_config(tmp_path, fs_server, fs_root)
     s = savings("--config", str(tmp_path / "mcp.json"))
     assert "cl100k_base" in s["tokenizer"] and s["sources"] == ["time", "filesystem"] and s["unreachable"] == {}
-    assert s["all_tools"]["tools"] == 16 and s["exposed"]["tools"] == 3  # 2 + 14 tools vs find_tool, call_tool, 1 kept
+    assert s["all_tools"]["tools"] == 16 and s["exposed"]["tools"] == 4  # 2 + 14 tools vs find_tool, call_tool, get_tool_alternatives, 1 kept
     assert s["meta_tools_tokens"] < s["exposed"]["tokens"] < s["all_tools"]["tokens"]
     assert s["saved_tokens"] == s["all_tools"]["tokens"] - s["exposed"]["tokens"] > 0
     for side in (s["all_tools"], s["exposed"]):
@@ -168,7 +196,7 @@ def test_savings_of_live_servers(tmp_path, fs_server, fs_root):
 
 def test_savings_of_a_catalog_file_without_servers():
     s = savings("--catalog", str(CATALOGS / "ALL.json"))
-    assert s["all_tools"]["tools"] == 605 and s["exposed"]["tools"] == 2
+    assert s["all_tools"]["tools"] == 605 and s["exposed"]["tools"] == 3
     assert s["exposed"]["tokens"] == s["meta_tools_tokens"] and s["saved_fraction"] > 0.99
     assert s["break_even_find_calls"] > 1
 
@@ -187,7 +215,7 @@ def test_without_a_model_find_tool_says_so_and_call_tool_still_works(tmp_path):
 
     async def body():
         async with mcp.Client(params, read_timeout_seconds=120) as client:
-            assert [t.name for t in (await client.list_tools()).tools] == ["find_tool", "call_tool"]
+            assert [t.name for t in (await client.list_tools()).tools] == ["find_tool", "call_tool", "get_tool_alternatives"]
             found = await client.call_tool("find_tool", {"query": "what time is it"})
             assert found.is_error and "the tool index is not available" in found.structured_content["error"]
             assert "absent.gguf" in found.structured_content["error"]

@@ -35,9 +35,11 @@ def text_of(res: types.CallToolResult) -> str:
 
 
 async def call_recorded(manager: ConnectionManager, history: MetricsStore | None, name: str, arguments: dict[str, Any],
-                        fallbacks: Callable[[str], Awaitable[list[dict[str, Any]]]], *, agent: str | None = None) -> types.CallToolResult:  # fmt: skip
+                        fallbacks: Callable[[str], Awaitable[list[dict[str, Any]]]], *, agent: str | None = None,
+                        retry: bool = True) -> types.CallToolResult:  # fmt: skip
     """Call a server__tool on its live server, record the call, and on failure suggest
-    fallbacks. A name no server lists is an error and is not recorded."""
+    fallbacks; with the `auto_retry_fallback` option (and `retry`), first try the best one
+    that takes the same arguments, once. A name no server lists is an error, not recorded."""
     server, tool = key_of(None, name)
     listed = manager.listings().get(server)
     if server not in manager.names or (listed is not None and all(d["name"] != tool for d in listed)):
@@ -56,5 +58,22 @@ async def call_recorded(manager: ConnectionManager, history: MetricsStore | None
         history.record_call(server, tool, failure is None, latency_ms, failure, agent=agent)
     if failure is None:
         return res
-    payload = {"error": failure, "tool": name, "fallback_suggestions": await fallbacks(name)}
+    suggested = await fallbacks(name)
+    if retry and manager.options.auto_retry_fallback:
+        alt = next((s for s in suggested if takes(s.get("inputSchema"), arguments)), None)
+        if alt is not None:
+            again = await call_recorded(manager, history, alt["name"], arguments, fallbacks, agent=agent, retry=False)
+            if not again.is_error:
+                note = types.TextContent(type="text", text=f"{name} failed ({failure}); {alt['name']} answered instead")
+                return types.CallToolResult(content=[note, *again.content], structured_content=again.structured_content, is_error=False)
+    payload = {"error": failure, "tool": name, "fallback_suggestions": suggested}
     return result(payload, is_error=True, content=list(res.content) if res is not None else None)
+
+
+def takes(schema: Any, arguments: dict[str, Any]) -> bool:
+    """Whether a tool's inputSchema takes `arguments` as they are: every property it requires
+    given, and every argument one it names."""
+    if not isinstance(schema, dict):
+        return not arguments
+    props = schema.get("properties") or {}
+    return all(r in arguments for r in schema.get("required") or ()) and all(k in props for k in arguments)

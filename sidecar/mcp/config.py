@@ -67,6 +67,9 @@ class Options(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     circuit_reset: float = 60.0  # an open circuit fails fast this long, then allows one trial attempt
     request_timeout: float = 60.0  # tools/list and tools/call
     keep_tools: list[str] = []  # server__tool names `sidecar mcp` lists directly beside its meta-tools
+    # A failed call is tried once more on the best fallback whose inputSchema takes the same
+    # arguments; the result says which tool answered. Off: another tool may act differently.
+    auto_retry_fallback: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_connection_retries <= 10:

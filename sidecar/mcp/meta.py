@@ -1,4 +1,4 @@
-"""The tool list `sidecar mcp` shows an agent: two meta-tools and the config's keep_tools.
+"""The tool list `sidecar mcp` shows an agent: three meta-tools and the config's keep_tools.
 
 Pure: definitions in, definitions out (MCP tool definitions as the servers list them, JSON
 dicts). The server (`server.py`) serves them and the savings report (`savings.py`) counts
@@ -14,6 +14,7 @@ from ..catalog import SEP
 
 FIND_TOOL = "find_tool"
 CALL_TOOL = "call_tool"
+ALTERNATIVES = "get_tool_alternatives"
 DEFAULT_LIMIT = 5
 MAX_LIMIT = 50
 
@@ -51,7 +52,20 @@ CALL_TOOL_DEF: dict[str, Any] = {
     },
 }
 
-META_TOOLS = (FIND_TOOL_DEF, CALL_TOOL_DEF)
+ALTERNATIVES_DEF: dict[str, Any] = {
+    "name": ALTERNATIVES,
+    "description": (
+        "Other tools that may do the job of a tool (one that failed, is slow or is missing something): "
+        "full definitions, best first, each with a score and the reason."
+    ),
+    "inputSchema": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "description": "The tool's exact name (server__tool)."}},
+        "required": ["name"],
+    },
+}
+
+META_TOOLS = (FIND_TOOL_DEF, CALL_TOOL_DEF, ALTERNATIVES_DEF)
 
 
 def qualified(server: str, definition: Mapping[str, Any]) -> dict[str, Any]:

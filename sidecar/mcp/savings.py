@@ -36,8 +36,8 @@ class Side(msgspec.Struct):
 class Savings(msgspec.Struct):
     tokenizer: str
     all_tools: Side  # every tool schema, as one tools/list result
-    exposed: Side  # find_tool + call_tool + keep_tools, as `sidecar mcp` lists them
-    meta_tools_tokens: int  # find_tool + call_tool alone
+    exposed: Side  # the meta-tools + keep_tools, as `sidecar mcp` lists them
+    meta_tools_tokens: int  # the meta-tools alone
     saved_tokens: int
     saved_fraction: float
     mean_tool_tokens: float  # one schema, on average
@@ -99,7 +99,7 @@ def describe(s: Savings) -> str:
     kept = s.exposed.tools - len(META_TOOLS)
     lines = [
         f"all tool schemas:        {s.all_tools.tokens:>8,} tokens  ({s.all_tools.tools} tools, {s.all_tools.bytes:,} bytes of tools/list JSON)",
-        f"meta-tools + keep_tools: {s.exposed.tokens:>8,} tokens  (find_tool + call_tool: {s.meta_tools_tokens}, {kept} keep_tools)",
+        f"meta-tools + keep_tools: {s.exposed.tokens:>8,} tokens  (the {len(META_TOOLS)} meta-tools: {s.meta_tools_tokens}, {kept} keep_tools)",
         f"saved:                   {s.saved_tokens:>8,} tokens  ({s.saved_fraction:.1%}) per request that carries the tool list",
         f"one find_tool answer:   ~{s.find_tool_answer_tokens:>8,} tokens  ({s.find_tool_limit} x {s.mean_tool_tokens:.0f}, the mean schema)"
         + (f"; {s.break_even_find_calls:g} answers in one context spend the saving" if s.break_even_find_calls else ""),

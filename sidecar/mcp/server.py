@@ -135,6 +135,11 @@ class MetaServer:
             if not isinstance(arguments, dict):
                 return error('call_tool\'s "arguments" must be an object', tool=name)
             return await self.call(name, arguments)
+        if params.name == meta.ALTERNATIVES:
+            name = args.get("name")
+            if not isinstance(name, str) or name not in meta.all_tools(self.manager.listings()):
+                return error(f"{meta.ALTERNATIVES} needs \"name\": a tool's exact name (server__tool), as find_tool gave it")
+            return result({"tool": name, "alternatives": await self._fallbacks(name)})
         if params.name in self.keep_tools:
             return await self.call(params.name, args)
         return error(f"no tool named {params.name!r} here: find it with find_tool, then call it with call_tool")
