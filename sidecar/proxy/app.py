@@ -208,8 +208,7 @@ class Proxy:
             return
         vector = judge.vectors.get("user")
         if vector is not None:
-            conversation = hashlib.sha256(turns[0].encode()).hexdigest()[:16]
-            self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], f"proxy:{conversation}")
+            self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(body))
 
     async def _count(self, offer: Offer) -> None:
         self.metrics.tools_added.observe(len(offer.tools))
@@ -457,6 +456,13 @@ class Proxy:
         found = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: self.engine.recommender.fallbacks(name, context))
         every = meta.all_tools(self.manager.listings())
         return [{**every[f.tool], "score": f.score, "reason": f.reason} for f in found if f.tool in every]
+
+
+def conversation_of(body: dict[str, Any]) -> str | None:
+    """A conversation's name, from its first user turn (an OpenAI request names none): the session
+    its examples and its calls' order are kept under."""
+    turns = shapes.user_turns(body.get("messages") or [])
+    return f"proxy:{hashlib.sha256(turns[0].encode()).hexdigest()[:16]}" if turns else None
 
 
 def _refused_body(e: Refused) -> dict[str, Any]:
