@@ -1,7 +1,8 @@
 """The server's side of learning from traffic (sidecar/traffic.py holds the rules): resolved
 turns go to the store on a store thread, and every `refit_every` new examples the catalog's
 lesson is refitted on a worker thread (numpy only: the model thread keeps judging) and swapped
-into the engine's pipeline when it passes (`TrafficFit`); every `refit_every` recorded calls,
+into the engine's pipeline when it passes (`TrafficFit`), or every tenth of the log when that
+is more (a refit costs in proportion to the log); every `refit_every` recorded calls,
 the tools that go together are learned again from the call log (`SequenceFit`). One refit at
 a time; what arrives during one counts towards the next."""
 
@@ -48,6 +49,7 @@ class Learner:
     async def _add(self, examples) -> None:
         try:
             n = await asyncio.to_thread(self.log.add, examples)
+            kept = await asyncio.to_thread(self.log.count)
         except Exception:
             log.exception("recording %d traffic examples failed", len(examples))
             return
@@ -55,7 +57,7 @@ class Learner:
             for e in examples:
                 self.metrics.traffic.labels("called" if e.tool is not None else "silent").inc()
         self.fresh += n
-        if self.fresh >= self.every:
+        if self.fresh >= max(self.every, kept // 10):  # a refit reads them all: a bigger log refits less often
             self.refit()
 
     def called(self) -> None:

@@ -160,6 +160,9 @@ class TrafficLog:
         self.store.write(write)
         return len(rows)
 
+    def count(self) -> int:
+        return int(self.store.query("SELECT COUNT(*) FROM traffic_examples WHERE model = ?", (self.model,))[0][0])
+
     def examples(self) -> list[Example]:
         """This model's examples, oldest first."""
         rows = self.store.query("SELECT text, tool, vector, session FROM traffic_examples WHERE model = ? ORDER BY id", (self.model,))
