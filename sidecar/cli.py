@@ -141,7 +141,8 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         for t, v in zip(turns, vectors):
             t.vector = v
         kept = tlog.add([e for t in turns for e in t.examples("log:" + t.ref.rsplit(":", 1)[0])])
-        print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
+        if not args.json:
+            print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
     summary = tlog.summary()
     lesson, outcome = TrafficFit().fit(engine.pipeline, tlog.examples())
     if args.json:

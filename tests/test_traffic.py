@@ -198,3 +198,21 @@ def _get(url: str) -> str:
 
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.read().decode()
+
+
+def test_learn_reads_chat_logs_into_the_examples(tmp_path):
+    """`sidecar learn --from LOG`: a chat log's user turns, each with the tools called before the
+    next user turn (or none), join the examples the server learns from; `--traffic` then says
+    what a refit would do with them."""
+    sample = ROOT / "fixtures" / "transcripts" / "bfcl-live"
+    args = ["--model", models.SMALL_MODEL, "--catalog", str(sample / "catalog.json"), "--store", str(tmp_path / "s.db")]
+    done = subprocess.run([sys.executable, "-m", "sidecar", "learn", *args, "--from", str(sample / "sample.jsonl"), "--json"],
+                          capture_output=True, text=True, timeout=BOUND_S, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["examples"]["called"] + doc["examples"]["silent"] >= 44  # 44 user turns in the sample (one example per tool called)
+    assert doc["examples"]["called"] > 0 and doc["examples"]["silent"] > 0
+    fit = doc["fit"]
+    assert fit["examples"] >= 44 and fit["calibration"]["recall"] is not None
+    again = subprocess.run([sys.executable, "-m", "sidecar", "learn", *args, "--traffic"], capture_output=True, text=True, timeout=BOUND_S, cwd=ROOT)
+    assert again.returncode == 0 and "turns followed by a call" in again.stdout and "out of fold" in again.stdout, again.stderr
