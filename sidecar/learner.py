@@ -81,8 +81,9 @@ class Learner:
             log.exception("refitting from traffic failed")
             return None
         self.last = outcome
-        if lesson is not None:
-            self.engine.pipeline.learned = lesson  # one attribute: the model thread sees the old lesson or the new
+        # One attribute: the model thread sees the old lesson or the new. A refit that finds no
+        # lesson worth using (the log was reset, or more turns undo what fewer taught) drops it.
+        self.engine.pipeline.learned = lesson
         if self.metrics is not None:
             self.metrics.refits.labels("swapped" if lesson is not None else "kept").inc()
         log.info("refit from %d traffic examples: %s", outcome.examples, "in use" if lesson is not None else outcome.reason)

@@ -268,7 +268,7 @@ class Learned:
 
 
 class Outcome(msgspec.Struct):
-    """One fit: out-of-fold scores of the lesson against the one in force, on the same examples."""
+    """One fit: the lesson's out-of-fold scores beside the calibration's alone, on the same examples."""
 
     examples: int
     called: int
@@ -344,7 +344,6 @@ class TrafficFit(msgspec.Struct, frozen=True):
                           gate is not None)  # fmt: skip
         return lesson, outcome
 
-
     def _gate(self, p: np.ndarray, near: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], folds: np.ndarray,
               precision: float) -> tuple[float | None, TrafficGate | None, np.ndarray]:  # fmt: skip
         """The lesson's bar, on the probability as it is or recalibrated on the turns (`TrafficGate`,
@@ -368,7 +367,7 @@ class TrafficFit(msgspec.Struct, frozen=True):
         from .pipeline import Request
 
         column = {n: j for j, n in enumerate(names)}
-        rows = [i for i, t in enumerate(truth) if t is not None][: self.max_rank_rows]
+        rows = [i for i, t in enumerate(truth) if t is not None][-self.max_rank_rows :]
         if len(rows) < self.min_called:
             return None
         work = copy.copy(pipeline)
