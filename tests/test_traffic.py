@@ -19,7 +19,9 @@ from sidecar import models
 from sidecar import protocol as p
 from sidecar.catalog import load as load_catalog
 from sidecar.client import SidecarClient
+from sidecar.config import LearnConfig
 from sidecar.engine import Sidecar
+from sidecar.learner import Learner
 from sidecar.lab.evaluate import read_labeled
 from sidecar.pipeline import Request
 from sidecar.server import SidecarServer
@@ -102,7 +104,8 @@ def test_a_lesson_from_half_of_a_log_of_real_users_requests_raises_recall_on_the
     first, with precision within 5 points (docs/benchmarks.md has the whole set's figures, and
     nomic's on this slice: recall 73.4% -> 77.9%, precision 62.8% -> 66.7%; 3 minutes here, so
     MiniLM only)."""
-    pipe = _engine(tmp_path / "s.db", [LABELED / "bfcl-live-slice.catalog.json"]).pipeline
+    engine = _engine(tmp_path / "s.db", [LABELED / "bfcl-live-slice.catalog.json"])
+    pipe = engine.pipeline
     learn, test, vectors = _played(pipe, LABELED / "bfcl-live-slice.jsonl")
     lesson, outcome = TrafficFit().fit(pipe, learn)
     assert outcome.swapped and lesson is not None, outcome
@@ -112,6 +115,19 @@ def test_a_lesson_from_half_of_a_log_of_real_users_requests_raises_recall_on_the
     after = _rates(pipe, test, vectors)
     pipe.learned = None
     assert after[0] > before[0] and after[1] >= before[1] - 0.05, (before, after)
+
+    # The server's learner: the same examples from its store put the lesson in force; once the
+    # log is reset, the next refit drops it.
+    learner = Learner(engine, LearnConfig())
+    learner.log.add(learn)
+
+    async def refit():
+        await learner.refit()
+        return engine.pipeline.learned
+
+    assert asyncio.run(refit()) is not None and learner.last.swapped
+    learner.log.reset()
+    assert asyncio.run(refit()) is None and "0 usable" in learner.last.reason
 
 
 def test_a_lesson_that_does_not_help_out_of_fold_is_not_used(tmp_path):
