@@ -85,6 +85,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_streams: int = 64  # open streams per connection
     closed_streams: int = 32  # ended streams a connection remembers (which tools each got), ~0.5 KB each
     max_connections: int = 256
+    # Connections one peer address may hold at once (a quarter of max_connections' default):
+    # a single host cannot take every place. Loopback clients count too; behind a reverse proxy
+    # every client has the proxy's address, so raise it there (docs/deploy.md).
+    max_connections_per_address: int = 64
     span_words: int = 12  # judge a clause after this many words with no boundary
     # A growing clause is judged again only when it gained content words (not for a trailing
     # comma, space or stopword); true: every longer span is judged (the every-clause baseline).
@@ -140,7 +144,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "span_words",
+        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words",
                     "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:

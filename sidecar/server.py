@@ -36,7 +36,7 @@ import logging
 import secrets
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,7 +66,7 @@ from .session import (
 )
 from .store import Store
 from .telemetry import Metrics, pin_mmap_threshold
-from .web import Web
+from .web import Web, peer
 
 log = logging.getLogger("sidecar.server")
 
@@ -221,6 +221,7 @@ class SidecarServer:
         self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000)
         self.metrics = Metrics(self)
         self.connections: dict[Session, Connection] = {}
+        self.addresses: Counter[str] = Counter()  # open connections per peer address
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
@@ -320,13 +321,27 @@ class SidecarServer:
 
     # Websocket side -------------------------------------------------------------------
 
+    def refusal(self, address: str) -> tuple[int, str] | None:
+        """Whether a new connection from `address` would pass the capacity limits: None, or
+        the HTTP status and reason to refuse it with (counted in sidecar_refused_connections_total)."""
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            self.metrics.refused.labels("max_connections").inc()
+            return 503, f"at most {limits.max_connections} connections"
+        if self.addresses[address] >= limits.max_connections_per_address:
+            self.metrics.refused.labels("per_address").inc()
+            return 429, f"at most {limits.max_connections_per_address} connections from one address (server.max_connections_per_address)"
+        return None
+
     async def _handle(self, ws: ServerConnection) -> None:
-        if len(self.connections) >= self.limits.max_connections:
-            await ws.close(1013, "too many connections")
+        address = peer(ws)
+        if (refused := self.refusal(address)) is not None:  # handshakes that passed the check together
+            await ws.close(1013, refused[1])
             return
         session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
+        self.addresses[address] += 1
         frames = aiter(ws)
         try:
             while True:
@@ -349,6 +364,9 @@ class SidecarServer:
         finally:
             conn.session.closed = True
             del self.connections[conn.session]
+            self.addresses[address] -= 1
+            if not self.addresses[address]:
+                del self.addresses[address]
             self.pending.discard(conn.session)
             for key in [k for k in self._ending if k[0] is conn.session]:
                 del self._ending[key]

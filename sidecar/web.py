@@ -71,8 +71,11 @@ class Web:
             resp = conn.respond(503, "loading the model; retry shortly\n")
             resp.headers["Retry-After"] = "1"
             return resp
-        if len(s.connections) >= limits.max_connections:
-            return conn.respond(503, f"at most {limits.max_connections} connections\n")
+        if (refused := s.refusal(peer(conn))) is not None:
+            status, why = refused
+            resp = conn.respond(status, why + "\n")
+            resp.headers["Retry-After"] = "1"
+            return resp
         return None
 
     def authorized(self, headers: Headers, query: str) -> bool:
@@ -85,6 +88,12 @@ class Web:
         if given is None:
             given = (parse_qs(query).get("token") or [None])[0]
         return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def peer(conn: ServerConnection) -> str:
+    """The peer's address, without its port ("" when the transport has none)."""
+    remote = conn.remote_address
+    return str(remote[0]) if remote else ""
 
 
 def _hostname(host: str) -> str:

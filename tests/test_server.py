@@ -720,6 +720,36 @@ def test_silent_connections_are_closed_and_free_their_place(small):
     assert codes == [1008, 1008] and hello == 2 and idle == 1
 
 
+def test_one_address_cannot_take_every_place(small):
+    """Issue 33: a few connections from one host filled max_connections and everyone else got
+    503. Now one peer address holds at most max_connections_per_address (loopback included):
+    the next is refused with 429 and counted, while another address still gets in."""
+
+    async def body():
+        async with serving(small, max_connections=8, max_connections_per_address=2) as srv:
+            held = [await websockets.connect(srv.url) for _ in range(2)]
+            with pytest.raises(InvalidStatus) as refused:
+                async with websockets.connect(srv.url):
+                    pass
+            resp = refused.value.response
+            async with websockets.connect(srv.url, local_addr=("127.0.0.2", 0)) as other:  # another address on loopback
+                assert (await raw_exchange(other, '{"type": "hello", "session": "other"}'))["type"] == "ready"
+            await held[0].close()
+            for _ in range(500):  # the server sees the close on its side
+                if srv.addresses["127.0.0.1"] < 2:
+                    break
+                await asyncio.sleep(0.01)
+            async with await SidecarClient.connect(srv.url, session="again") as sc:  # a place again
+                assert sc.ready.tools
+            await held[1].close()
+            _, _, text = await http_get(srv.port, "/metrics")
+            return resp.status_code, resp.body.decode(), parse_metrics(text)
+
+    status, text, metrics = run(body())
+    assert status == 429 and "max_connections_per_address" in text
+    assert metrics['sidecar_refused_connections_total{reason="per_address"}'] == 1
+
+
 def test_one_frame_of_tiny_clauses_does_not_stall_other_clients(small):
     """Issue 33: 1 MiB of "abc\\n" in one token frame (262,144 clauses) stopped every client's
     pings for 53.8 s (325 KB: 5.9 s): segmenting copied the rest of the buffer at every clause,
