@@ -21,6 +21,8 @@ MAX_REF_CHARS = 128  # a ref is a correlation id, stored with the call: not a pa
 MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels deep)
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
+# hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
+Resume = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
 
 # A client's correlation id, echoed in `ack` and `error`: a short string or a 64-bit integer.
 Ref = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)] | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -50,6 +52,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
     tools: list[str | dict[str, Any]] | None = None
     version: int | None = None  # the client's protocol version
     decisions: bool = False  # opt in to a `decision` message for every judged span (debugging, benchmarks)
+    resume: Resume | None = None  # an earlier connection's ready.resume: its refs carry over (a resend counts once)
 
 
 class User(msgspec.Struct, tag="user", tag_field="type"):
@@ -101,6 +104,9 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
     model: str
     tools: list[str]  # the session's catalog, by name
     sidecar: str = ""  # the sidecar's package version
+    # The key this connection's refs are kept under (a secret): a client that reconnects sends
+    # it as hello.resume, and a tool_result or feedback it resends then counts once.
+    resume: str = ""
 
 
 class InjectedTool(msgspec.Struct):

@@ -88,6 +88,9 @@ class Connection:
         # The server's name for this connection, which scopes its records: hello.session is
         # chosen by the client, so another client may claim the same one.
         self.id = secrets.token_hex(8)
+        # The key its refs are kept under: a new secret, or the one an earlier connection of
+        # the client was given (hello.resume), so a resend after a reconnect counts once.
+        self.refs = ""
         self.quota = limits.max_queued_per_connection
         self.pending = pending
         # `end`s read since the dispatcher last took work (an `end` still waiting for its
@@ -430,7 +433,9 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
-        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
+        conn.refs = msg.resume or secrets.token_hex(16)
+        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(),
+                          sidecar=__version__, resume=conn.refs))  # fmt: skip
 
     async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """A session catalog's engine, built on the model thread and shared by sessions that
