@@ -43,6 +43,9 @@ class Web:
             resp = conn.respond(405, f"method {request.method} is not allowed: GET or HEAD\n")
             resp.headers["Allow"] = "GET, HEAD"
             return resp
+        for name in ("Host", "Origin", "Authorization", "Upgrade"):  # read below: one each, or the request is ambiguous
+            if len(request.headers.get_all(name)) > 1:
+                return conn.respond(400, f"more than one {name} header\n")
         host = request.headers.get("Host")
         if host is not None and _loopback(limits.host) and not _loopback(_hostname(host)):
             return conn.respond(421, f"host {host} is not this sidecar: a loopback sidecar answers only to a loopback name\n")

@@ -682,9 +682,12 @@ def test_secure_defaults_refuse_other_origins_rebinding_and_other_methods(small)
             rebound = await raw_http(srv.port, f"GET / HTTP/1.1\r\nHost: evil.example:{srv.port}")
             local = [await raw_http(srv.port, f"GET /healthz HTTP/1.1\r\nHost: {h}:{srv.port}") for h in ("localhost", "127.0.0.1", "[::1]")]
             methods = [await raw_http(srv.port, f"{m} / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}") for m in ("FOO", "POST", "HEAD", "GET")]
-            return rebound, local, methods
+            twice = [await raw_http(srv.port, f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n{extra}")  # a 500 before
+                     for extra in (f"Host: evil.example:{srv.port}", "Origin: https://a.example\r\nOrigin: https://b.example")]
+            return rebound, local, methods, twice
 
-    rebound, local, methods = run(body())
+    rebound, local, methods, twice = run(body())
+    assert [status for status, _ in twice] == [400, 400] and "more than one Host" in twice[0][1]
     assert rebound[0] == 421 and "loopback" in rebound[1]
     assert [status for status, _ in local] == [200, 200, 200]
     assert [status for status, _ in methods] == [405, 405, 200, 200]
