@@ -454,10 +454,14 @@ async def one_attack(name: str, url: str, victim: Victim, args, baseline: dict) 
     return row
 
 
-async def serve(args, tmp: pathlib.Path) -> tuple[asyncio.subprocess.Process, str]:
+async def serve(args, tmp: pathlib.Path, config: str = "") -> tuple[asyncio.subprocess.Process, str]:
+    """`sidecar serve` on 127.0.0.1 (a free port) with `args.model` and `args.threads` model
+    threads, the notes catalog, a store in `tmp` and `config` (TOML); its URL once listening."""
     env = {**os.environ, "SIDECAR_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar", "serve", "--port", "0", "--model", args.model,
-                                                "--catalog", str(NOTES), "--store", str(tmp / "attacks.db"),
+    toml = tmp / "bench.toml"
+    toml.write_text(config)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "sidecar", "serve", "--config", str(toml), "--port", "0",
+                                                "--model", args.model, "--catalog", str(NOTES), "--store", str(tmp / "bench.db"),
                                                 stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=env)  # fmt: skip
     while line := (await proc.stderr.readline()).decode():
         if found := re.search(r"listening on (ws://\S+)", line):
@@ -498,12 +502,18 @@ async def main(args) -> dict:
             return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "baseline": baseline, "attacks": rows,
                     "server_alive": alive, "targets": {"ping_p99_x": PING_TARGET, "decision_p99_x": DECISION_TARGET}}  # fmt: skip
         finally:
-            if proc is not None and proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 30)
-                except TimeoutError:
-                    proc.kill()
+            if proc is not None:
+                await stop(proc)
+
+
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM (the server finishes in-flight work), SIGKILL after 30 s."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
 
 
 def parse(argv=None) -> argparse.Namespace:

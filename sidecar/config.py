@@ -95,6 +95,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     rejudge_unchanged: bool = False
     max_pending: int = 4096  # queued evaluations; beyond it the oldest are dropped
     stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
+    # Overload: when what waits would take the model longer than this (estimated from its
+    # measured cost per character), whole streams are shed, the most loaded connection's first,
+    # so the streams kept are answered within about this instead of every stream late.
+    shed_ms: float = 500.0
     inject_margin: float = 0.05  # also inject runners-up within this relevance of the best
     max_inject_tools: int = 3
     split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/asks.py)
@@ -145,7 +149,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
         positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words",
-                    "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
+                    "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:

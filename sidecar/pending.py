@@ -11,6 +11,11 @@ order and counts each loss:
 - superseded: a clause has at most one pending span; a newer one with the same key
   replaces it (the newer span of a growing clause contains the older one; distinct
   clauses have distinct keys, so a finished clause is never dropped for the next);
+- shed: when what waits would take the model longer than a budget (`shed(budget, cost)`,
+  the server's `shed_ms`), whole streams go, never single spans of many: the connection
+  with the most estimated work waiting loses its stream with the most, again until the rest
+  fits (fair share: a connection with one span waiting keeps it while a flooding one has
+  more); the streams kept are answered within the budget instead of every stream late;
 - overflow: beyond `max_pending`, the oldest span of the connection with the most queued
   is dropped (a flooding connection loses its own work, not its neighbours');
 - stale: a span that waited longer than `stale_s` is dropped when taken, since its
@@ -19,11 +24,12 @@ order and counts each loss:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import heapq
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-REASONS = ("superseded", "overflow", "stale")
+REASONS = ("superseded", "shed", "overflow", "stale")
 
 
 def _group(ev: Any) -> Any:
@@ -103,6 +109,40 @@ class Pending:
             if cost is not None:
                 spent += cost(ev)
         return out
+
+    def shed(self, budget: float, cost: Callable[[Any], float]) -> int:
+        """Drop whole streams while the waiting spans' estimated cost exceeds `budget`: each
+        time, the stream with the most cost of the connection with the most cost. Returns
+        how many spans went (counted as "shed"). O(n log n) in the spans waiting."""
+        streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, cost)]
+        total = 0.0
+        for g, items in self._groups.items():
+            for key, ev in items.items():
+                c = cost(ev)
+                streams[g][_stream(ev)].append((key, c))
+                total += c
+        if total <= budget:
+            return 0
+        owed = {g: sum(c for spans in by.values() for _, c in spans) for g, by in streams.items()}
+        heap = [(-w, -i, g) for i, (g, w) in enumerate(owed.items())]  # ties: the one served last (at the back of the round) first
+        heapq.heapify(heap)
+        order = {g: sorted(by.values(), key=lambda spans: -sum(c for _, c in spans)) for g, by in streams.items()}
+        n = 0
+        while total > budget and heap:
+            _, i, g = heapq.heappop(heap)
+            spans = order[g].pop(0)
+            items = self._groups[g]
+            for key, c in spans:
+                self._forget(items.pop(key))
+                total -= c
+                owed[g] -= c
+                n += 1
+            if not items:
+                del self._groups[g]
+            if order[g]:
+                heapq.heappush(heap, (-owed[g], i, g))
+        self.dropped["shed"] += n
+        return n
 
     def discard(self, group: Any) -> int:
         """Forget a connection's waiting spans (it closed); returns how many."""

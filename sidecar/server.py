@@ -498,6 +498,8 @@ class SidecarServer:
             await self._wake.wait()
             self._wake.clear()
             budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
+            if self._cost_per_char is not None:  # overload: whole streams go before every stream is late
+                self.pending.shed(self.limits.shed_ms / 1000, self._cost)
             batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
             batch = [ev for ev in batch if not ev.owner.closed]
             self._release_backlogs()

@@ -428,6 +428,36 @@ def test_overload_drops_are_counted_and_frames_are_still_read(small):
     run(body())
 
 
+def test_overload_sheds_whole_streams_and_counts_every_span(small):
+    """Issue 33 overload policy: once what waits would take the model longer than shed_ms,
+    whole streams are shed, each span counted; every span is either decided or counted, and a
+    quiet connection beside the flood still gets its decision."""
+    streams = [f"s{i}" for i in range(16)]
+    text = " ".join(f"Clause {i} of the flood is right here." for i in range(12)) + " "
+
+    async def body():
+        async with serving(small, shed_ms=300.0) as srv, \
+                await SidecarClient.connect(srv.url, session="flood", decisions=True) as sc, \
+                await SidecarClient.connect(srv.url, session="quiet", decisions=True) as quiet:  # fmt: skip
+            await sc.user("warm", "hello there")  # the first batch measures the model's cost
+            await decisions(sc, 1)
+            for s in streams:
+                await sc.token(s, text)
+            await quiet.user("q", SEARCH)
+            for s in streams:
+                await sc.end(s)
+            seen = await until(sc, lambda m, ended=set(): isinstance(m, p.Ended) and (ended.add(m.stream) or len(ended) == len(streams)))
+            mine = await until(quiet, lambda m: isinstance(m, p.DecisionReport))
+            _, _, metrics = await http_get(srv.port, "/metrics")
+            return seen, mine, parse_metrics(metrics)
+
+    seen, mine, metrics = run(body())
+    decided = sum(isinstance(m, p.DecisionReport) for m in seen)
+    shed = metrics['sidecar_dropped_evaluations_total{reason="shed"}']
+    assert shed > 0 and decided + shed == len(streams) * spans_of(text)
+    assert mine[-1].stream == "q"
+
+
 # Store ---------------------------------------------------------------------------------
 
 

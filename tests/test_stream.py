@@ -117,8 +117,9 @@ def test_end_flushes_a_pending_terminator_and_is_final():
 
 
 class Ev:
-    def __init__(self, key, received, name=""):
+    def __init__(self, key, received, name="", owner=None, stream=None, cost=1.0):
         self.key, self.received, self.name = key, received, name
+        self.owner, self.stream, self.cost = owner, stream, cost
 
 
 def test_pending_supersedes_per_stream_and_counts_every_drop():
@@ -135,6 +136,29 @@ def test_pending_supersedes_per_stream_and_counts_every_drop():
     taken = q.take(now=0.5)
     assert q.dropped["stale"] == 1  # ... and "old" waited too long
     assert [e.name for e in taken] == ["u1", "u2"] and len(q) == 0
+
+
+def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
+    """Issue 33 overload policy: past the budget, whole streams go, the most loaded connection's
+    biggest first, until the rest fits; a connection with one span waiting keeps it, and each
+    shed span is counted."""
+    q = Pending(max_pending=1000, stale_s=10.0)
+    for s in range(4):  # the flooder: 4 streams of 5 spans
+        for k in range(5):
+            q.put(Ev(object(), 0.0, f"f{s}-{k}", owner="flood", stream=f"s{s}"))
+    q.put(Ev(object(), 0.0, "v", owner="victim", stream="v"))
+    for s in range(2):  # a busy one: 2 streams of 3 spans
+        for k in range(3):
+            q.put(Ev(object(), 0.0, f"b{s}-{k}", owner="busy", stream=f"s{s}"))
+    assert q.shed(budget=30.0, cost=lambda ev: ev.cost) == 0  # 27 spans of cost 1 fit
+    assert q.shed(budget=12.0, cost=lambda ev: ev.cost) == 15  # flood 20 -> 15 -> 10 -> 5 (busy 6, tied at 10 first)
+    left = [e.name for e in q.take(0.0)]
+    assert q.dropped["shed"] == 15 and len(left) == 12
+    assert "v" in left and sum(n.startswith("b") for n in left) == 6
+    assert len({n.split("-")[0] for n in left if n.startswith("f")}) == 1  # the flooder kept one whole stream
+    for s in range(3):
+        q.put(Ev(object(), 0.0, f"x{s}", owner="x", stream=f"s{s}"))
+    assert q.shed(budget=0.5, cost=lambda ev: ev.cost) == 3 and len(q) == 0
 
 
 # Session -----------------------------------------------------------------------------
