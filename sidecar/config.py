@@ -90,6 +90,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # every client has the proxy's address, so raise it there (docs/deploy.md).
     max_connections_per_address: int = 64
     span_words: int = 12  # judge a clause after this many words with no boundary
+    # A longer user turn is judged on its first and last halves of this many characters: one
+    # turn's work on the model thread is bounded (a 100,000-character turn took 490 ms of it).
+    max_turn_chars: int = 4096
     # A growing clause is judged again only when it gained content words (not for a trailing
     # comma, space or stopword); true: every longer span is judged (the every-clause baseline).
     rejudge_unchanged: bool = False
@@ -148,12 +151,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words",
+        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
                     "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
+        if self.max_turn_chars < 64:
+            raise ValueError(f"server.max_turn_chars={self.max_turn_chars} must be at least 64")
         if self.max_stream_chars < 16:
             raise ValueError(f"server.max_stream_chars={self.max_stream_chars} must be at least 16")
         if not 0.0 <= self.inject_margin <= 1.0:

@@ -278,6 +278,19 @@ def test_clauses_of_a_stream_never_supersede_each_other_but_a_growing_clause_doe
     assert q.dropped["superseded"] == 2  # the 3-word spans of each clause, overtaken by longer ones
 
 
+def test_a_long_user_turn_is_judged_on_its_head_and_tail(notes):
+    """Issue 33: a 100,000-character turn held the model thread 490 ms (patterns, tokenizer),
+    delaying every other session's decisions; now what is judged is bounded by max_turn_chars,
+    and an ask at either end of a pasted document is still in it."""
+    s = started(ServerConfig(max_turn_chars=200), notes)
+    turn = "Please search my notes. " + "lorem ipsum " * 10_000 + "Then delete the old one."
+    (ev,) = s.on_user("u", "  " + turn, 0.0)
+    assert len(ev.text) <= 200 and ev.text.startswith("Please search my notes.") and ev.text.endswith("delete the old one.")
+    assert (ev.start, ev.end, ev.turn_chars) == (2, 2 + len(turn), len(turn) + 2)  # where the turn was, as sent
+    (short,) = s.on_user("v", "Please search my notes.", 0.0)
+    assert short.text == "Please search my notes."
+
+
 def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes):
     """Issue 13: what a long-lived connection keeps is bounded by the config, not by its age."""
     from sidecar.session import OFFERS_KEPT
