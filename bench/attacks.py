@@ -470,6 +470,12 @@ async def serve(args, tmp: pathlib.Path, config: str = "") -> tuple[asyncio.subp
     raise RuntimeError(f"sidecar serve did not start: {line.strip()}")
 
 
+def server_table(settings: list[str], **fixed: int) -> str:
+    """A [server] table of `fixed` keys and KEY=VALUE settings (TOML values)."""
+    lines = [f"{k} = {v}" for k, v in fixed.items()] + [f"{kv.split('=', 1)[0]} = {kv.split('=', 1)[1]}" for kv in settings]
+    return "[server]\n" + "".join(line + "\n" for line in lines)
+
+
 async def _drain(stream) -> None:
     while await stream.readline():
         pass
@@ -482,7 +488,7 @@ async def main(args) -> dict:
             if args.url:
                 url = args.url
             else:
-                proc, url = await serve(args, pathlib.Path(tmp))
+                proc, url = await serve(args, pathlib.Path(tmp), server_table(args.set))
             log(f"server at {url}")
             async with await SidecarClient.connect(url, session="victim", decisions=True, wait_s=120) as sc:
                 victim = Victim(sc)
@@ -499,7 +505,7 @@ async def main(args) -> dict:
                     await asyncio.sleep(args.settle)  # what the attack queued drains before the next baseline-relative run
                 victim.reader.cancel()
             alive = proc is None or proc.returncode is None
-            return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "baseline": baseline, "attacks": rows,
+            return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "settings": args.set, "baseline": baseline, "attacks": rows,
                     "server_alive": alive, "targets": {"ping_p99_x": PING_TARGET, "decision_p99_x": DECISION_TARGET}}  # fmt: skip
         finally:
             if proc is not None:
@@ -525,6 +531,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=models.SMALL_MODEL)
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the server (default 1)")
     ap.add_argument("--url", help="attack a running sidecar on loopback instead (its own config)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="[server] settings of the server it starts, e.g. max_batch_ms=50")
     ap.add_argument("--attack", choices=list(ATTACKS), help=argparse.SUPPRESS)  # the attacker process
     args = ap.parse_args(argv)
     if args.url and not args.url.startswith("ws://127.0.0.1:"):

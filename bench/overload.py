@@ -35,7 +35,7 @@ import websockets
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from attacks import TOPICS, log, pct, scrape, serve, stop  # noqa: E402
+from attacks import TOPICS, log, pct, scrape, serve, server_table, stop  # noqa: E402
 
 from sidecar import models  # noqa: E402
 
@@ -141,8 +141,7 @@ async def load(url: str, n: int, args) -> dict:
 
 
 async def main(args) -> dict:
-    settings = "".join(f"{kv.split('=', 1)[0]} = {kv.split('=', 1)[1]}\n" for kv in args.set)
-    config = f"[server]\nmax_connections = 4096\nmax_connections_per_address = 4096\n{settings}"
+    config = server_table(args.set, max_connections=4096, max_connections_per_address=4096)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = await serve(args, pathlib.Path(tmp), config)
         try:

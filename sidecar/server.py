@@ -362,6 +362,7 @@ class SidecarServer:
                     break
                 await self._on_frame(conn, frame)
                 await conn.room()
+                await asyncio.sleep(0)  # the event loop's fair share: one frame, then every other ready connection's turn
         except ConnectionClosed:
             pass  # e.g. 1009 for an oversized frame: websockets already closed it
         finally:
