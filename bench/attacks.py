@@ -106,6 +106,15 @@ class Tally:
         return {"frames": self.frames, "replies": dict(self.replies), "refused": dict(self.refused), "closed": dict(self.closed)}
 
 
+async def send_by(ws, frame: str, deadline: float) -> bool:
+    """Send unless the server's backpressure holds it past the deadline (then False)."""
+    try:
+        await asyncio.wait_for(ws.send(frame), max(0.01, deadline - time.monotonic()))
+        return True
+    except TimeoutError:
+        return False
+
+
 async def _hello(ws, session: str, **fields) -> dict:
     await ws.send(json.dumps({"type": "hello", "session": session, **fields}))
     return json.loads(await ws.recv())
@@ -171,8 +180,9 @@ async def attack_tiny_clauses(url: str, deadline: float, tally: Tally) -> None:
         k = 0
         while time.monotonic() < deadline:
             k += 1
-            await ws.send(json.dumps({"type": "token", "stream": f"t{k}", "delta": delta}))
-            await ws.send(json.dumps({"type": "end", "stream": f"t{k}"}))
+            if not (await send_by(ws, json.dumps({"type": "token", "stream": f"t{k}", "delta": delta}), deadline)
+                    and await send_by(ws, json.dumps({"type": "end", "stream": f"t{k}"}), deadline)):  # fmt: skip
+                return
             tally.frames += 2
 
     await _each_connection(url, deadline, tally, body)
@@ -205,14 +215,17 @@ async def attack_foreign_origin(url: str, deadline: float, tally: Tally) -> None
         tally.frames += 1
 
 
-async def attack_silent(url: str, deadline: float, tally: Tally) -> None:
-    """Issue 33 #6: silent connections (no hello) from one address, as many as it will take,
-    held, and opened again when the server closes them."""
+async def attack_silent(url: str, deadline: float, tally: Tally, addresses: int = 1) -> None:
+    """Issue 33 #6: silent connections (no hello) from one address (127.0.0.2), or from
+    `addresses` of them in turn, as many as it will take, held, and opened again when the
+    server closes them."""
     held: list = []
+    i = 0
     while time.monotonic() < deadline:
         held = [ws for ws in held if ws.close_code is None]
+        i += 1
         try:
-            ws = await websockets.connect(url, open_timeout=10, close_timeout=0.1, local_addr=("127.0.0.2", 0))
+            ws = await websockets.connect(url, open_timeout=10, close_timeout=0.1, local_addr=(f"127.0.0.{2 + i % addresses}", 0))
             held.append(ws)
             tally.frames += 1
         except (InvalidStatus, ConnectionClosed, OSError, TimeoutError) as e:
@@ -221,6 +234,12 @@ async def attack_silent(url: str, deadline: float, tally: Tally) -> None:
     tally.replies["held_at_end"] = len(held)
     for ws in held:
         ws.transport.abort()
+
+
+async def attack_silent_many(url: str, deadline: float, tally: Tally) -> None:
+    """Silent connections from 8 loopback addresses: more than max_connections in all (what
+    a per-address limit cannot stop: a token, or a proxy's limits, can)."""
+    await attack_silent(url, deadline, tally, addresses=8)
 
 
 async def attack_bad_frames(url: str, deadline: float, tally: Tally) -> None:
@@ -247,7 +266,8 @@ async def attack_long_turns(url: str, deadline: float, tally: Tally) -> None:
         k = 0
         while time.monotonic() < deadline:
             k += 1
-            await ws.send(json.dumps({"type": "user", "stream": f"u{k}", "text": turns[k % 2] + f" {k}"}))
+            if not await send_by(ws, json.dumps({"type": "user", "stream": f"u{k}", "text": turns[k % 2] + f" {k}"}), deadline):
+                return
             tally.frames += 1
             await asyncio.sleep(0.01)
 
@@ -295,7 +315,8 @@ async def attack_span_flood(url: str, deadline: float, tally: Tally) -> None:
         k = 0
         while time.monotonic() < deadline:
             k += 1
-            await ws.send(json.dumps({"type": "token", "stream": f"f{k % 32}", "delta": clauses[k % len(clauses)] + f"{k}. "}))
+            if not await send_by(ws, json.dumps({"type": "token", "stream": f"f{k % 32}", "delta": clauses[k % len(clauses)] + f"{k}. "}), deadline):
+                return
             tally.frames += 1
 
     await _each_connection(url, deadline, tally, body)
@@ -309,14 +330,12 @@ async def attack_slow_reader(url: str, deadline: float, tally: Tally) -> None:
         k = 0
         while time.monotonic() < deadline:
             k += 1
-            await asyncio.wait_for(ws.send(json.dumps({"type": "user", "stream": f"s{k % 48}", "text": f"{REQUEST} {k}"})),
-                                   max(0.01, deadline - time.monotonic()))  # fmt: skip
+            if not await send_by(ws, json.dumps({"type": "user", "stream": f"s{k % 48}", "text": f"{REQUEST} {k}"}), deadline):
+                tally.replies["send_blocked"] += 1  # the server stopped reading it: backpressure
+                return
             tally.frames += 1
 
-    try:
-        await _each_connection(url, deadline, tally, body)
-    except TimeoutError:
-        tally.replies["send_blocked"] += 1
+    await _each_connection(url, deadline, tally, body)
 
 
 ATTACKS = {
@@ -326,6 +345,7 @@ ATTACKS = {
     "hello_descriptions": attack_hello_descriptions,
     "foreign_origin": attack_foreign_origin,
     "silent_connections": attack_silent,
+    "silent_many_addresses": attack_silent_many,
     "bad_frames": attack_bad_frames,
     "long_turns": attack_long_turns,
     "oversized_frames": attack_oversized,

@@ -14,7 +14,7 @@ order and counts each loss:
 - shed: when what waits would take the model longer than a budget (`shed(budget, cost)`,
   the server's `shed_ms`), whole streams go, never single spans of many: the connection
   with the most estimated work waiting loses its stream with the most, again until the rest
-  fits (fair share: a connection with one span waiting keeps it while a flooding one has
+  fits (of the last stream only its oldest spans, as many as needed; fair share: a connection with one span waiting keeps it while a flooding one has
   more); the streams kept are answered within the budget instead of every stream late;
 - overflow: beyond `max_pending`, the oldest span of the connection with the most queued
   is dropped (a flooding connection loses its own work, not its neighbours');
@@ -112,8 +112,10 @@ class Pending:
 
     def shed(self, budget: float, cost: Callable[[Any], float]) -> int:
         """Drop whole streams while the waiting spans' estimated cost exceeds `budget`: each
-        time, the stream with the most cost of the connection with the most cost. Returns
-        how many spans went (counted as "shed"). O(n log n) in the spans waiting."""
+        time, the stream with the most cost of the connection with the most cost, oldest
+        span first, and of the last one only what the budget needs (a lone flooding stream
+        keeps its newest spans). Returns how many spans went (counted as "shed").
+        O(n log n) in the spans waiting."""
         streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, cost)]
         total = 0.0
         for g, items in self._groups.items():
@@ -130,13 +132,16 @@ class Pending:
         n = 0
         while total > budget and heap:
             _, i, g = heapq.heappop(heap)
-            spans = order[g].pop(0)
+            spans = order[g][0]
             items = self._groups[g]
-            for key, c in spans:
+            while spans and total > budget:  # oldest first: the whole stream, unless less will do
+                key, c = spans.pop(0)
                 self._forget(items.pop(key))
                 total -= c
                 owed[g] -= c
                 n += 1
+            if not spans:
+                order[g].pop(0)
             if not items:
                 del self._groups[g]
             if order[g]:

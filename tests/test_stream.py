@@ -159,6 +159,10 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     for s in range(3):
         q.put(Ev(object(), 0.0, f"x{s}", owner="x", stream=f"s{s}"))
     assert q.shed(budget=0.5, cost=lambda ev: ev.cost) == 3 and len(q) == 0
+    for k in range(10):  # one stream alone over the budget keeps its newest spans
+        q.put(Ev(object(), 0.0, f"t{k}", owner="turns", stream="t"))
+    assert q.shed(budget=4.0, cost=lambda ev: ev.cost) == 6
+    assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
 # Session -----------------------------------------------------------------------------
