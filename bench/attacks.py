@@ -172,8 +172,9 @@ async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> No
 
 
 async def attack_tiny_clauses(url: str, deadline: float, tally: Tally) -> None:
-    """Issue 33 #3: one token frame of 1 MB of "abc\\n" (250,000 clauses), again and again."""
-    delta = "abc\n" * (FRAME_BYTES // 4 - 25)
+    """Issue 33 #3: one token frame of about 1 MB of "abc\\n" (200,000 clauses: 5 bytes each
+    once JSON escapes the newline), again and again."""
+    delta = "abc\n" * (FRAME_BYTES // 5 - 20)
 
     async def body(ws, i):
         await _hello(ws, f"tiny-{i}")

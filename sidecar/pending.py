@@ -42,9 +42,13 @@ def _stream(ev: Any) -> Any:
 
 
 class Pending:
-    def __init__(self, max_pending: int, stale_s: float):
+    def __init__(self, max_pending: int, stale_s: float, weight: Callable[[Any], float] | None = None):
+        """`weight(ev)`: a span's share of the model's work (the server: its characters plus
+        a fixed overhead; default 1 a span), kept as a running total for `shed`."""
         self.max_pending = max_pending
         self.stale_s = stale_s
+        self.weight = weight or (lambda ev: 1.0)
+        self.weight_total = 0.0
         self.dropped: Counter[str] = Counter({r: 0 for r in REASONS})
         # connection -> its evaluations by key, oldest first; the connections in round-robin
         # order (one that was served moves to the back)
@@ -77,6 +81,7 @@ class Pending:
             self._forget(old)
         items[ev.key] = ev
         self._n += 1
+        self.weight_total += self.weight(ev)
         self._streams[_stream(ev)] += 1
         while self._n > self.max_pending:
             biggest = max(self._groups, key=lambda k: len(self._groups[k]))
@@ -110,21 +115,19 @@ class Pending:
                 spent += cost(ev)
         return out
 
-    def shed(self, budget: float, cost: Callable[[Any], float]) -> int:
-        """Drop whole streams while the waiting spans' estimated cost exceeds `budget`: each
-        time, the stream with the most cost of the connection with the most cost, oldest
-        span first, and of the last one only what the budget needs (a lone flooding stream
-        keeps its newest spans). Returns how many spans went (counted as "shed").
-        O(n log n) in the spans waiting."""
-        streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, cost)]
-        total = 0.0
+    def shed(self, budget: float) -> int:
+        """Drop whole streams while the waiting spans' weight exceeds `budget`: each time,
+        the stream with the most weight of the connection with the most weight, oldest span
+        first, and of the last one only what the budget needs (a lone flooding stream keeps
+        its newest spans). Returns how many spans went (counted as "shed"). O(1) when
+        within the budget, else O(n log n) in the spans waiting."""
+        if self.weight_total <= budget:
+            return 0
+        streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, weight)]
         for g, items in self._groups.items():
             for key, ev in items.items():
-                c = cost(ev)
-                streams[g][_stream(ev)].append((key, c))
-                total += c
-        if total <= budget:
-            return 0
+                streams[g][_stream(ev)].append((key, self.weight(ev)))
+        total = self.weight_total
         owed = {g: sum(c for spans in by.values() for _, c in spans) for g, by in streams.items()}
         heap = [(-w, -i, g) for i, (g, w) in enumerate(owed.items())]  # ties: the one served last (at the back of the round) first
         heapq.heapify(heap)
@@ -160,6 +163,7 @@ class Pending:
 
     def _forget(self, ev: Any) -> None:
         self._n -= 1
+        self.weight_total -= self.weight(ev)
         key = _stream(ev)
         self._streams[key] -= 1
         if self._streams[key] <= 0:

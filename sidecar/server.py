@@ -70,9 +70,11 @@ from .web import Web, peer
 
 log = logging.getLogger("sidecar.server")
 
-# A token frame is segmented this many characters at a time, the event loop served between
-# slices: 1 MiB of "abc\n" (262,144 clauses) held every client's pings for 53.8 s (issue 33).
-TOKEN_SLICE_CHARS = 4096
+# A token frame is segmented this many characters at a time, each slice waiting for the
+# connection's quota of queued spans and then serving the event loop: 1 MiB of "abc\n"
+# (262,144 clauses) held every client's pings for 53.8 s (issue 33); in slices of 4,096 with no
+# quota between them, 1 MB of it still held the loop 25 ms a slice, 5.6 s in all.
+TOKEN_SLICE_CHARS = 1024
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
@@ -221,7 +223,7 @@ class SidecarServer:
         self.catalog = catalog
         self.store = store if store is not None else getattr(engine, "store", None)
         self.progress = progress
-        self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000)
+        self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000, span_chars)
         self.metrics = Metrics(self)
         self.connections: dict[Session, Connection] = {}
         self.addresses: Counter[str] = Counter()  # open connections per peer address
@@ -396,11 +398,14 @@ class SidecarServer:
         self.metrics.frames.labels("in", kind).inc()
         s = conn.session
         try:
-            if isinstance(msg, p.Token):  # a long delta in slices, yielding between them: as if sent in smaller frames
-                for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:
+            if isinstance(msg, p.Token):  # a long delta in slices, as if sent in smaller frames: each waits for
+                for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:  # the connection's quota, then yields
                     if lo:
+                        await conn.room()
                         await asyncio.sleep(0)
-                    self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], now))
+                        if self.closing or conn.ws.close_code is not None:  # the rest would be judged for no one
+                            break
+                    self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now))
             elif isinstance(msg, p.User):
                 self._queue(conn, s.on_user(msg.stream, msg.text, now))
             elif isinstance(msg, p.End):
@@ -499,8 +504,8 @@ class SidecarServer:
             await self._wake.wait()
             self._wake.clear()
             budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
-            if self._cost_per_char is not None:  # overload: whole streams go before every stream is late
-                self.pending.shed(self.limits.shed_ms / 1000, self._cost)
+            if self._cost_per_char:  # overload: whole streams go before every stream is late
+                self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
             batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
             batch = [ev for ev in batch if not ev.owner.closed]
             self._release_backlogs()
@@ -513,7 +518,7 @@ class SidecarServer:
 
     def _cost(self, ev: Evaluation) -> float:
         """A span's estimated share of a batch's time on the model thread, in seconds."""
-        return (self._cost_per_char or 0.0) * (len(ev.text) + COST_OVERHEAD_CHARS)
+        return (self._cost_per_char or 0.0) * span_chars(ev)
 
     def _answer_ends(self) -> None:
         """`ended` for every stream none of whose spans wait any more: those queued before
@@ -538,7 +543,7 @@ class SidecarServer:
             log.exception("judging a batch of %d failed", len(batch))
             verdicts, sizes = [], []
         else:
-            per_char = took / sum(len(ev.text) + COST_OVERHEAD_CHARS for ev in batch)
+            per_char = took / sum(map(span_chars, batch))
             prev = self._cost_per_char
             self._cost_per_char = per_char if prev is None else prev + COST_EWMA * (per_char - prev)
         finally:
@@ -607,6 +612,11 @@ class SidecarServer:
                 self.store.checkpoint()
             except Exception:
                 log.exception("store checkpoint failed")
+
+
+def span_chars(ev: Evaluation) -> int:
+    """A span's size in the model's cost estimate: its characters and a fixed overhead."""
+    return len(ev.text) + COST_OVERHEAD_CHARS
 
 
 def timed_judge(batch: list[Evaluation]) -> tuple[list[Verdict], list[int], float]:

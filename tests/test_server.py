@@ -807,6 +807,29 @@ def test_one_frame_of_tiny_clauses_does_not_stall_other_clients(small):
     assert max(waits) < 1.0, waits  # 13 s for the first ping before (the frame took the loop whole)
 
 
+def test_one_frame_of_tiny_clauses_waits_for_its_quota_between_slices(small):
+    """Issue 33, a per-connection budget of spans: one token frame of 20,000 clauses queued
+    them all at once (slices yielded, but never waited), so a 1 MB frame held the event loop
+    5.6 s and pushed out other connections' spans. Now each slice waits for the connection's
+    quota: what it has queued stays within the quota plus one slice's clauses."""
+    from sidecar.server import TOKEN_SLICE_CHARS
+
+    quota = 32
+
+    async def body():
+        async with serving(small, max_queued_per_connection=quota, max_pending=100_000, shed_ms=1e6, stale_ms=1e6) as srv, \
+                await SidecarClient.connect(srv.url, session="flood") as sc:  # fmt: skip
+            most = 0
+            await sc.token("t", "abc\n" * 20_000)
+            for _ in range(2000):  # while the frame is being worked through
+                most = max(most, len(srv.pending))
+                await asyncio.sleep(0.001)
+            return most, srv.pending.dropped["overflow"]
+
+    most, overflow = run(body())
+    assert 0 < most <= quota + TOKEN_SLICE_CHARS // 4 and overflow == 0, most
+
+
 # Processes: `sidecar serve` and the example client --------------------------------------
 
 

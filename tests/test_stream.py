@@ -142,7 +142,7 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     """Issue 33 overload policy: past the budget, whole streams go, the most loaded connection's
     biggest first, until the rest fits; a connection with one span waiting keeps it, and each
     shed span is counted."""
-    q = Pending(max_pending=1000, stale_s=10.0)
+    q = Pending(max_pending=1000, stale_s=10.0, weight=lambda ev: ev.cost)
     for s in range(4):  # the flooder: 4 streams of 5 spans
         for k in range(5):
             q.put(Ev(object(), 0.0, f"f{s}-{k}", owner="flood", stream=f"s{s}"))
@@ -150,18 +150,18 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     for s in range(2):  # a busy one: 2 streams of 3 spans
         for k in range(3):
             q.put(Ev(object(), 0.0, f"b{s}-{k}", owner="busy", stream=f"s{s}"))
-    assert q.shed(budget=30.0, cost=lambda ev: ev.cost) == 0  # 27 spans of cost 1 fit
-    assert q.shed(budget=12.0, cost=lambda ev: ev.cost) == 15  # flood 20 -> 15 -> 10 -> 5 (busy 6, tied at 10 first)
+    assert q.shed(budget=30.0) == 0  # 27 spans of cost 1 fit
+    assert q.shed(budget=12.0) == 15  # flood 20 -> 15 -> 10 -> 5 (busy 6, tied at 10 first)
     left = [e.name for e in q.take(0.0)]
     assert q.dropped["shed"] == 15 and len(left) == 12
     assert "v" in left and sum(n.startswith("b") for n in left) == 6
     assert len({n.split("-")[0] for n in left if n.startswith("f")}) == 1  # the flooder kept one whole stream
     for s in range(3):
         q.put(Ev(object(), 0.0, f"x{s}", owner="x", stream=f"s{s}"))
-    assert q.shed(budget=0.5, cost=lambda ev: ev.cost) == 3 and len(q) == 0
+    assert q.shed(budget=0.5) == 3 and len(q) == 0 and q.weight_total == 0
     for k in range(10):  # one stream alone over the budget keeps its newest spans
         q.put(Ev(object(), 0.0, f"t{k}", owner="turns", stream="t"))
-    assert q.shed(budget=4.0, cost=lambda ev: ev.cost) == 6
+    assert q.shed(budget=4.0) == 6
     assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
