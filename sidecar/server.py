@@ -109,6 +109,17 @@ class Connection:
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write())
         self._closing: asyncio.Task | None = None
+        self.lost = False  # the connection closed (frames still buffered are not worked through)
+        self._watch = asyncio.ensure_future(ws.wait_closed())
+        self._watch.add_done_callback(self._lost)
+
+    def _lost(self, _: asyncio.Future) -> None:
+        """The connection closed (the client left, or was closed): its queued spans are
+        dropped when taken instead of judged for no one, and a reader paused on its quota
+        (or mid-frame) runs on to see the close; frames already buffered are not worked through."""
+        self.lost = True
+        self.session.closed = True
+        self.unthrottle()
 
     @property
     def backlog(self) -> int:
@@ -204,6 +215,7 @@ class Connection:
         """The connection is gone: stop the writer and drop what it can no longer send
         (so a shutdown waiting on `outbox.join()` is not kept waiting)."""
         self.writer.cancel()
+        self._watch.cancel()
         self._discard()
 
 
@@ -362,6 +374,8 @@ class SidecarServer:
                     else:
                         await ws.close(1008, f"no hello within {self.limits.hello_timeout_s:g} s")
                     break
+                if conn.lost:  # frames buffered before the close: nobody would get their answers
+                    break
                 await self._on_frame(conn, frame)
                 await conn.room()
                 await asyncio.sleep(0)  # the event loop's fair share: one frame, then every other ready connection's turn
@@ -403,7 +417,7 @@ class SidecarServer:
                     if lo:
                         await conn.room()
                         await asyncio.sleep(0)
-                        if self.closing or conn.ws.close_code is not None:  # the rest would be judged for no one
+                        if self.closing or conn.lost:  # the rest would be judged for no one
                             break
                     self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now))
             elif isinstance(msg, p.User):

@@ -830,6 +830,35 @@ def test_one_frame_of_tiny_clauses_waits_for_its_quota_between_slices(small):
     assert 0 < most <= quota + TOKEN_SLICE_CHARS // 4 and overflow == 0, most
 
 
+def test_a_client_that_leaves_mid_frame_costs_no_more_model_work(small):
+    """Issue 33: frames of tiny clauses wait for their quota slice by slice; a client that sent
+    several and left had the first slice of each buffered frame judged for no one (about 20 s
+    of model time after one attack of bench/attacks.py). Now the close stops the reader: the
+    frames still buffered are not worked through, and its queued spans are dropped."""
+    from sidecar.server import TOKEN_SLICE_CHARS
+
+    quota = 32
+
+    async def body():
+        async with serving(small, max_queued_per_connection=quota) as srv:
+            async with websockets.connect(srv.url, max_size=None) as ws:
+                await raw_exchange(ws, '{"type": "hello", "session": "leaver"}')
+                for i in range(4):
+                    await ws.send(json.dumps({"type": "token", "stream": f"t{i}", "delta": "abc\n" * 20_000}))
+                await asyncio.sleep(0.5)
+            for _ in range(1000):  # the server sees the close and lets the connection go
+                if not srv.connections:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            m = srv.metrics
+            return not srv.connections, m.value("sidecar_frames_total", direction="in", type="token"), m.value("sidecar_batch_size_sum")
+
+    gone, frames, judged = run(body())
+    assert gone and frames == 1, frames  # 4 before: each buffered frame's first slice was queued
+    assert judged <= 2 * (TOKEN_SLICE_CHARS // 4) + quota, judged  # 1,280 spans before
+
+
 # Processes: `sidecar serve` and the example client --------------------------------------
 
 
