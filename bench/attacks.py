@@ -107,11 +107,13 @@ class Tally:
 
 
 async def send_by(ws, frame: str, deadline: float) -> bool:
-    """Send unless the server's backpressure holds it past the deadline (then False)."""
+    """Send unless the server's backpressure holds it past the deadline: then the connection
+    is dropped (a half-sent frame cannot be closed politely) and False."""
     try:
         await asyncio.wait_for(ws.send(frame), max(0.01, deadline - time.monotonic()))
         return True
     except TimeoutError:
+        ws.transport.abort()
         return False
 
 

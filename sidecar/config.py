@@ -81,6 +81,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     token: str | None = None  # shared secret: Authorization: Bearer TOKEN or ?token=TOKEN
     origins: list[str] = []  # allowed Origin headers (browsers); empty: any
     max_frame_bytes: int = 1 << 20  # a larger frame closes the connection with 1009
+    # Frames the websocket library reads ahead of the handler per connection (then reading
+    # pauses): memory per connection is about this x max_frame_bytes, and a client that left
+    # is noticed only once what was read ahead is worked through (reading paused, the kernel
+    # does not report the close).
+    read_ahead_frames: int = 2
     max_stream_chars: int = 512  # text buffered per stream; a longer clause is judged and cut
     max_streams: int = 64  # open streams per connection
     closed_streams: int = 32  # ended streams a connection remembers (which tools each got), ~0.5 KB each
@@ -109,8 +114,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
     # many the sidecar stops reading its frames until the model thread takes them. A
     # connection holds at most about 2 x this x max_stream_chars characters of span text
-    # (what waits, and the batch being judged): 256 KiB at the defaults, plus the up to 16
-    # frames the websocket library reads ahead.
+    # (what waits, and the batch being judged): 256 KiB at the defaults, plus the
+    # read_ahead_frames frames the websocket library reads ahead. One token frame makes at most
+    # this many spans (too_many_spans beyond: the rest of the frame is not read).
     max_queued_per_connection: int = 256
     # The longest value of each client-given string kept in the metrics store, in characters
     # (every row carries them: an uncapped one multiplies the disk it costs).
@@ -151,7 +157,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
+        positive = ("max_frame_bytes", "read_ahead_frames", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
                     "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:

@@ -277,6 +277,7 @@ class SidecarServer:
             self.limits.port,
             process_request=Web(self),
             max_size=self.limits.max_frame_bytes,
+            max_queue=self.limits.read_ahead_frames,
             compression=None,  # small frames at a high rate: deflate costs more than it saves
             server_header=f"sidecar/{__version__}",
         )
@@ -412,14 +413,8 @@ class SidecarServer:
         self.metrics.frames.labels("in", kind).inc()
         s = conn.session
         try:
-            if isinstance(msg, p.Token):  # a long delta in slices, as if sent in smaller frames: each waits for
-                for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:  # the connection's quota, then yields
-                    if lo:
-                        await conn.room()
-                        await asyncio.sleep(0)
-                        if self.closing or conn.lost:  # the rest would be judged for no one
-                            break
-                    self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now))
+            if isinstance(msg, p.Token):
+                await self._token(conn, msg, now)
             elif isinstance(msg, p.User):
                 self._queue(conn, s.on_user(msg.stream, msg.text, now))
             elif isinstance(msg, p.End):
@@ -437,6 +432,26 @@ class SidecarServer:
         except Exception as e:
             log.exception("handling a %s frame failed", kind)
             conn.send(p.Error("internal", f"{type(e).__name__}: {e}", getattr(msg, "ref", None)))
+
+    async def _token(self, conn: Connection, msg: p.Token, now: float) -> None:
+        """A long delta in slices, as if sent in smaller frames: each waits for the
+        connection's quota, then yields. One frame makes at most `max_queued_per_connection`
+        spans (a frame of a reply's tokens makes a few): the rest of a frame past it is not
+        read, and the client gets `too_many_spans`, so a frame of 200,000 tiny clauses costs one
+        slice, not minutes of the model's time (and of the event loop's, should it leave)."""
+        s, made = conn.session, 0
+        for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:
+            if lo:
+                await conn.room()
+                await asyncio.sleep(0)
+                if self.closing or conn.lost:  # the rest would be judged for no one
+                    return
+            if made >= self.limits.max_queued_per_connection:
+                raise p.ProtocolError("too_many_spans", f"a token frame makes at most {self.limits.max_queued_per_connection} spans "
+                                                        f"(max_queued_per_connection): the rest of this one, from character {lo}, was not read")  # fmt: skip
+            evaluations = s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now)
+            made += len(evaluations)
+            self._queue(conn, evaluations)
 
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
         if msg.version is not None and msg.version not in p.VERSIONS:
