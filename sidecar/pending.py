@@ -129,12 +129,13 @@ class Pending:
                 streams[g][_stream(ev)].append((key, self.weight(ev)))
         total = self.weight_total
         owed = {g: sum(c for spans in by.values() for _, c in spans) for g, by in streams.items()}
-        heap = [(-w, -i, g) for i, (g, w) in enumerate(owed.items())]  # ties: the one served last (at the back of the round) first
+        # (-weight, tie, connection); ties: the one served last (at the back of the round) first
+        heap = [(-w, -i, g) for i, (g, w) in enumerate(owed.items())]
         heapq.heapify(heap)
         order = {g: sorted(by.values(), key=lambda spans: -sum(c for _, c in spans)) for g, by in streams.items()}
         n = 0
         while total > budget and heap:
-            _, i, g = heapq.heappop(heap)
+            _, tie, g = heapq.heappop(heap)
             spans = order[g][0]
             items = self._groups[g]
             while spans and total > budget:  # oldest first: the whole stream, unless less will do
@@ -148,7 +149,7 @@ class Pending:
             if not items:
                 del self._groups[g]
             if order[g]:
-                heapq.heappush(heap, (-owed[g], i, g))
+                heapq.heappush(heap, (-owed[g], tie, g))
         self.dropped["shed"] += n
         return n
 
