@@ -327,8 +327,10 @@ async def main(args) -> dict:
 
 
 def toml(connections: int, settings: list[str]) -> str:
-    """The server's config: port 0, max_connections raised to fit, and each SECTION.KEY=VALUE."""
-    tables: dict[str, list[str]] = {"server": ["port = 0", f"max_connections = {connections + 16}"]}
+    """The server's config: port 0, max_connections raised to fit (per address too: every
+    client is on 127.0.0.1), and each SECTION.KEY=VALUE."""
+    tables: dict[str, list[str]] = {"server": ["port = 0", f"max_connections = {connections + 16}",
+                                               f"max_connections_per_address = {connections + 16}"]}
     for item in settings:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")

@@ -88,6 +88,16 @@ CONFIGS = {
     "minilm": f'[model]\nname = "{models.SMALL_MODEL}"\n',
     "cascade": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[cascade]\nscreen = "{models.SMALL_MODEL}"\n',
 }
+# Every client of the bench comes from 127.0.0.1: the per-address limit is opened to the global one.
+OPEN_PER_ADDRESS = "max_connections_per_address = 256\n"
+
+
+def config_text(name: str) -> str:
+    """A configuration's TOML with the per-address limit opened (in its [server] table)."""
+    text = CONFIGS[name]
+    if "[server]\n" in text:
+        return text.replace("[server]\n", "[server]\n" + OPEN_PER_ADDRESS, 1)
+    return text + "[server]\n" + OPEN_PER_ADDRESS
 
 
 def log(*args: object) -> None:
@@ -473,7 +483,7 @@ def main() -> int:
             cfg = None
             if not args.url:
                 cfg = pathlib.Path(tmp) / f"{name}.toml"
-                cfg.write_text(CONFIGS[name])
+                cfg.write_text(config_text(name))
             result = asyncio.run(load_config(name, cfg, args))
             if cfg is not None and not args.no_replay:
                 log(f"{name}: replaying {len(TRANSCRIPTS)} transcripts on ALL.json ...")

@@ -53,8 +53,11 @@ class SidecarClient:
         project: str | None = None,
         permissions: Sequence[str] | None = None,
         decisions: bool = False,
+        resume: str | None = None,
         wait_s: float = 30.0,
     ) -> SidecarClient:
+        """`resume`: an earlier connection's `ready.resume`, so refs resent after a reconnect
+        count once."""
         headers = {"Authorization": f"Bearer {token}"} if token else None
         deadline = time.monotonic() + wait_s
         while True:
@@ -69,7 +72,7 @@ class SidecarClient:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
-        hello = p.Hello(session=session, agent=agent, project=project, version=p.VERSION, decisions=decisions,
+        hello = p.Hello(session=session, agent=agent, project=project, version=p.VERSION, decisions=decisions, resume=resume,
                         permissions=list(permissions) if permissions else None, tools=list(tools) if tools else None)  # fmt: skip
         await ws.send(p.encode(hello), text=True)
         msg = p.decode_server(await asyncio.wait_for(ws.recv(), max(1.0, deadline - time.monotonic())))

@@ -81,16 +81,32 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     token: str | None = None  # shared secret: Authorization: Bearer TOKEN or ?token=TOKEN
     origins: list[str] = []  # allowed Origin headers (browsers); empty: any
     max_frame_bytes: int = 1 << 20  # a larger frame closes the connection with 1009
+    # Frames the websocket library reads ahead of the handler per connection (then reading
+    # pauses): memory per connection is about this x max_frame_bytes, and a client that left
+    # is noticed only once what was read ahead is worked through (reading paused, the kernel
+    # does not report the close).
+    read_ahead_frames: int = 2
     max_stream_chars: int = 512  # text buffered per stream; a longer clause is judged and cut
     max_streams: int = 64  # open streams per connection
     closed_streams: int = 32  # ended streams a connection remembers (which tools each got), ~0.5 KB each
     max_connections: int = 256
+    # Connections one peer address may hold at once (a quarter of max_connections' default):
+    # a single host cannot take every place. Loopback clients count too; behind a reverse proxy
+    # every client has the proxy's address, so raise it there (docs/deploy.md).
+    max_connections_per_address: int = 64
     span_words: int = 12  # judge a clause after this many words with no boundary
+    # A longer user turn is judged on its first and last halves of this many characters: one
+    # turn's work on the model thread is bounded (a 100,000-character turn took 490 ms of it).
+    max_turn_chars: int = 4096
     # A growing clause is judged again only when it gained content words (not for a trailing
     # comma, space or stopword); true: every longer span is judged (the every-clause baseline).
     rejudge_unchanged: bool = False
     max_pending: int = 4096  # queued evaluations; beyond it the oldest are dropped
     stale_ms: float = 2000.0  # an evaluation that waited longer is dropped
+    # Overload: when what waits would take the model longer than this (estimated from its
+    # measured cost per character), whole streams are shed, the most loaded connection's first,
+    # so the streams kept are answered within about this instead of every stream late.
+    shed_ms: float = 500.0
     inject_margin: float = 0.05  # also inject runners-up within this relevance of the best
     max_inject_tools: int = 3
     split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/asks.py)
@@ -98,8 +114,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
     # many the sidecar stops reading its frames until the model thread takes them. A
     # connection holds at most about 2 x this x max_stream_chars characters of span text
-    # (what waits, and the batch being judged): 256 KiB at the defaults, plus the up to 16
-    # frames the websocket library reads ahead.
+    # (what waits, and the batch being judged): 256 KiB at the defaults, plus the
+    # read_ahead_frames frames the websocket library reads ahead. One token frame makes at most
+    # this many spans (too_many_spans beyond: the rest of the frame is not read).
     max_queued_per_connection: int = 256
     # The longest value of each client-given string kept in the metrics store, in characters
     # (every row carries them: an uncapped one multiplies the disk it costs).
@@ -140,12 +157,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "span_words",
-                    "max_pending", "stale_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
+        positive = ("max_frame_bytes", "read_ahead_frames", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
+                    "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
+        if self.max_turn_chars < 64:
+            raise ValueError(f"server.max_turn_chars={self.max_turn_chars} must be at least 64")
         if self.max_stream_chars < 16:
             raise ValueError(f"server.max_stream_chars={self.max_stream_chars} must be at least 16")
         if not 0.0 <= self.inject_margin <= 1.0:

@@ -88,6 +88,15 @@ CREATE TABLE IF NOT EXISTS feedback (
     variant     TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_variant ON feedback (variant, ts);
+CREATE TABLE IF NOT EXISTS record_refs (
+    ref     TEXT NOT NULL,                 -- the client's ref within its key (ready.resume)
+    kind    TEXT NOT NULL,                 -- tool_result | feedback
+    digest  TEXT NOT NULL,                 -- sha256 of the record as the client sent it
+    row_id  INTEGER,                       -- its row in tool_calls / feedback
+    ts      REAL NOT NULL,
+    PRIMARY KEY (ref, kind)
+);
+CREATE INDEX IF NOT EXISTS record_refs_ts ON record_refs (ts);
 CREATE TABLE IF NOT EXISTS metrics_state (
     key   TEXT PRIMARY KEY,                -- generation: bumped on every change; last_rollup
     value REAL NOT NULL
@@ -198,7 +207,34 @@ def day_of(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d")
 
 
-TABLES = frozenset({"tool_metrics", "tool_calls", "tool_metrics_daily", "feedback", "metrics_state"})
+TABLES = frozenset({"tool_metrics", "tool_calls", "tool_metrics_daily", "feedback", "metrics_state", "record_refs"})
+
+
+class RefReused(ValueError):
+    """A ref already recorded with another payload: the resend is refused, not taken as the first."""
+
+    def __init__(self, kind: str, ref: str):
+        super().__init__(f"this ref was already used for a different {kind}")
+        self.kind, self.ref = kind, ref
+
+
+def _claim(db, ref: str, kind: str, digest: str, ts: float) -> int | None:
+    """Claim `ref` for a new record (None), or return the row of its first record when it was
+    the same payload; a different payload under a used ref raises RefReused. Within the
+    write's transaction: a replica claiming the same ref at the same moment waits for this
+    one's commit (PostgreSQL's unique index), then finds it."""
+    claimed = db.execute("INSERT INTO record_refs (ref, kind, digest, ts) VALUES (?,?,?,?) ON CONFLICT (ref, kind) DO NOTHING RETURNING ts",
+                         (ref, kind, digest, ts)).fetchone()  # fmt: skip
+    if claimed is not None:
+        return None
+    first, row_id = db.execute("SELECT digest, row_id FROM record_refs WHERE ref=? AND kind=?", (ref, kind)).fetchone()
+    if first != digest:
+        raise RefReused(kind, ref)
+    return int(row_id)
+
+
+def _claimed(db, ref: str, kind: str, row_id: int) -> None:
+    db.execute("UPDATE record_refs SET row_id=? WHERE ref=? AND kind=?", (row_id, ref, kind))
 
 
 class MetricsStore:
@@ -238,12 +274,16 @@ class MetricsStore:
         call_id: str | None = None,
         ts: float | None = None,
         reporter: str | None = None,
+        digest: str | None = None,
     ) -> int:
         """Log one tool call and fold it into the tool's totals; returns the raw row's id once
         committed. A `call_id` seen before returns the first row's id and counts nothing.
         `reporter` names who reported it (the server's connection id), so one reporter's
         failures alone do not mark a server failing for everyone (`failure_reporters`); None
-        is this process's own call. Waits at most `write_timeout_s` for the write lock."""
+        is this process's own call. With `digest` (of the client's payload) the `call_id` is
+        remembered with it in `record_refs`: the same payload again returns the first row's id,
+        another one raises RefReused and records nothing. Waits at most `write_timeout_s` for the
+        write lock."""
         ts = self.clock() if ts is None else ts
         if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
             latency_ms = None
@@ -254,14 +294,21 @@ class MetricsStore:
         reporter = cut(reporter, caps.name)
 
         def write(db) -> int:
+            if call_id is not None and digest is not None and (first := _claim(db, call_id, "tool_result", digest, ts)) is not None:
+                return first
             row = db.execute(
                 """INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter)
                    VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (call_id) DO NOTHING RETURNING id""",
                 (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err, reporter),
             ).fetchone()
-            if row is None:  # a resent call_id: the first row's id, nothing counted
-                return int(db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()[0])
-            row_id = row[0]
+            if row is None:  # a resent call_id (stored before record_refs): the first row's id, nothing counted
+                row_id = int(db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()[0])
+            else:
+                row_id = row[0]
+            if call_id is not None and digest is not None:
+                _claimed(db, call_id, "tool_result", row_id)
+            if row is None:
+                return row_id
             db.execute(
                 """INSERT INTO tool_metrics AS cur (server, tool, call_count, success_count, failure_count, avg_latency_ms,
                        latency_count, last_called_at, last_success_at, last_error, created_at, updated_at)
@@ -286,12 +333,17 @@ class MetricsStore:
 
         return self.store.write(write, self.write_timeout_s)
 
-    def record_feedback(self, fb: Feedback) -> int:
+    def record_feedback(self, fb: Feedback, ref: str | None = None, digest: str | None = None) -> int:
+        """Store one feedback row; returns its id once committed. With `ref` and `digest` (of
+        the client's payload), a resend of the same payload returns the first row's id and a
+        changed one raises RefReused, as for `record_call`."""
         ts = self.clock() if fb.ts is None else fb.ts
         caps = self.caps
         recommended = orjson.dumps([cut(name, caps.name) for name in fb.recommended]).decode()
 
         def write(db) -> int:
+            if ref is not None and digest is not None and (first := _claim(db, ref, "feedback", digest, ts)) is not None:
+                return first
             row_id = db.execute(
                 "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
                 (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
@@ -300,6 +352,8 @@ class MetricsStore:
             ).fetchone()[0]
             if fb.rating is not None:
                 db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
+            if ref is not None and digest is not None:
+                _claimed(db, ref, "feedback", row_id)
             return int(row_id)
 
         return self.store.write(write, self.write_timeout_s)
@@ -311,6 +365,7 @@ class MetricsStore:
         with self.store.transaction() as db:
             n = db.execute(f"DELETE FROM tool_metrics{where}", params).rowcount
             db.execute(f"DELETE FROM tool_calls{where}", params)
+            db.execute("DELETE FROM record_refs WHERE kind='tool_result' AND row_id NOT IN (SELECT id FROM tool_calls)")
             db.execute(f"DELETE FROM tool_metrics_daily{where}", params)
             db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
         return n
@@ -359,6 +414,7 @@ class MetricsStore:
                        last_error = coalesce(excluded.last_error, cur.last_error)""",
                 [(*k, *v) for k, v in groups.items()],
             )
+            db.execute("DELETE FROM record_refs WHERE ts < ?", (cutoff,))  # refs live as long as the raw calls
             ids = [r[0] for r in rows]
             deleted = 0
             for i in range(0, len(ids), 500):

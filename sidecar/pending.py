@@ -11,6 +11,11 @@ order and counts each loss:
 - superseded: a clause has at most one pending span; a newer one with the same key
   replaces it (the newer span of a growing clause contains the older one; distinct
   clauses have distinct keys, so a finished clause is never dropped for the next);
+- shed: when what waits would take the model longer than a budget (`shed(budget, cost)`,
+  the server's `shed_ms`), whole streams go, never single spans of many: the connection
+  with the most estimated work waiting loses its stream with the most, again until the rest
+  fits (of the last stream only its oldest spans, as many as needed; fair share: a connection with one span waiting keeps it while a flooding one has
+  more); the streams kept are answered within the budget instead of every stream late;
 - overflow: beyond `max_pending`, the oldest span of the connection with the most queued
   is dropped (a flooding connection loses its own work, not its neighbours');
 - stale: a span that waited longer than `stale_s` is dropped when taken, since its
@@ -19,11 +24,12 @@ order and counts each loss:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import heapq
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-REASONS = ("superseded", "overflow", "stale")
+REASONS = ("superseded", "shed", "overflow", "stale")
 
 
 def _group(ev: Any) -> Any:
@@ -36,9 +42,13 @@ def _stream(ev: Any) -> Any:
 
 
 class Pending:
-    def __init__(self, max_pending: int, stale_s: float):
+    def __init__(self, max_pending: int, stale_s: float, weight: Callable[[Any], float] | None = None):
+        """`weight(ev)`: a span's share of the model's work (the server: its characters plus
+        a fixed overhead; default 1 a span), kept as a running total for `shed`."""
         self.max_pending = max_pending
         self.stale_s = stale_s
+        self.weight = weight or (lambda ev: 1.0)
+        self.weight_total = 0.0
         self.dropped: Counter[str] = Counter({r: 0 for r in REASONS})
         # connection -> its evaluations by key, oldest first; the connections in round-robin
         # order (one that was served moves to the back)
@@ -71,6 +81,7 @@ class Pending:
             self._forget(old)
         items[ev.key] = ev
         self._n += 1
+        self.weight_total += self.weight(ev)
         self._streams[_stream(ev)] += 1
         while self._n > self.max_pending:
             biggest = max(self._groups, key=lambda k: len(self._groups[k]))
@@ -104,6 +115,44 @@ class Pending:
                 spent += cost(ev)
         return out
 
+    def shed(self, budget: float) -> int:
+        """Drop whole streams while the waiting spans' weight exceeds `budget`: each time,
+        the stream with the most weight of the connection with the most weight, oldest span
+        first, and of the last one only what the budget needs (a lone flooding stream keeps
+        its newest spans). Returns how many spans went (counted as "shed"). O(1) when
+        within the budget, else O(n log n) in the spans waiting."""
+        if self.weight_total <= budget:
+            return 0
+        streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, weight)]
+        for g, items in self._groups.items():
+            for key, ev in items.items():
+                streams[g][_stream(ev)].append((key, self.weight(ev)))
+        total = self.weight_total
+        owed = {g: sum(c for spans in by.values() for _, c in spans) for g, by in streams.items()}
+        # (-weight, tie, connection); ties: the one served last (at the back of the round) first
+        heap = [(-w, -i, g) for i, (g, w) in enumerate(owed.items())]
+        heapq.heapify(heap)
+        order = {g: sorted(by.values(), key=lambda spans: -sum(c for _, c in spans)) for g, by in streams.items()}
+        n = 0
+        while total > budget and heap:
+            _, tie, g = heapq.heappop(heap)
+            spans = order[g][0]
+            items = self._groups[g]
+            while spans and total > budget:  # oldest first: the whole stream, unless less will do
+                key, c = spans.pop(0)
+                self._forget(items.pop(key))
+                total -= c
+                owed[g] -= c
+                n += 1
+            if not spans:
+                order[g].pop(0)
+            if not items:
+                del self._groups[g]
+            if order[g]:
+                heapq.heappush(heap, (-owed[g], tie, g))
+        self.dropped["shed"] += n
+        return n
+
     def discard(self, group: Any) -> int:
         """Forget a connection's waiting spans (it closed); returns how many."""
         items = self._groups.pop(group, None)
@@ -115,6 +164,7 @@ class Pending:
 
     def _forget(self, ev: Any) -> None:
         self._n -= 1
+        self.weight_total -= self.weight(ev)
         key = _stream(ev)
         self._streams[key] -= 1
         if self._streams[key] <= 0:

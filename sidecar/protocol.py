@@ -21,6 +21,8 @@ MAX_REF_CHARS = 128  # a ref is a correlation id, stored with the call: not a pa
 MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels deep)
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
+# hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
+Resume = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
 
 # A client's correlation id, echoed in `ack` and `error`: a short string or a 64-bit integer.
 Ref = Annotated[str, msgspec.Meta(max_length=MAX_REF_CHARS)] | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -50,6 +52,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
     tools: list[str | dict[str, Any]] | None = None
     version: int | None = None  # the client's protocol version
     decisions: bool = False  # opt in to a `decision` message for every judged span (debugging, benchmarks)
+    resume: Resume | None = None  # an earlier connection's ready.resume: its refs carry over (a resend counts once)
 
 
 class User(msgspec.Struct, tag="user", tag_field="type"):
@@ -101,6 +104,9 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
     model: str
     tools: list[str]  # the session's catalog, by name
     sidecar: str = ""  # the sidecar's package version
+    # The key this connection's refs are kept under (a secret): a client that reconnects sends
+    # it as hello.resume, and a tool_result or feedback it resends then counts once.
+    resume: str = ""
 
 
 class InjectedTool(msgspec.Struct):
@@ -261,28 +267,34 @@ def decode_client(frame: str | bytes) -> ClientMessage:
         raise _explain(frame, e) from None
 
 
-# Escapes first, then strings: each pattern matches a fixed shape or stops at the next quote,
-# so both run in linear time. A string pattern that took escapes in (one regex) backtracked on
-# a run of `\"`: a 62 KB frame held the event loop for 16 s (issue 33).
-_ESCAPE = re.compile(r"\\.", re.S)
-_STRING = re.compile(r'"[^"]*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# Regexes and tables of too_deep: no pattern there backtracks, and the one that matches runs
+# once per string left after the others (a string pattern that took escapes in backtracked on
+# a run of `\"`: a 62 KB frame held the event loop for 16 s; one match per quote, 31 ms a
+# 1 MB frame of quotes: issue 33).
+_STRING = re.compile(rb'"[^"]*"')
+_NOT_SKELETON = bytes(b for b in range(256) if b not in b'[]{}"')
 _LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
-_SQUARE = str.maketrans("{}", "[]")
+_SQUARE = bytes.maketrans(b"{}", b"[]")
 
 
 def too_deep(frame: str) -> bool:
     """Whether a JSON text nests deeper than MAX_DEPTH, or its brackets (outside strings) do
     not balance. A fixed limit, checked before decoding, answers alike whatever the caller's
     stack: decoders that recurse fail near the interpreter's recursion limit, which depends
-    on it. Linear, at C speed: each round drops the innermost bracket pairs."""
+    on it. Linear, in C-speed string operations with few matches: escapes go by two replaces
+    (pairs of backslashes, then escaped quotes), everything but brackets and quotes by one
+    bytes.translate, adjacent quotes in pairs (which keeps every other character inside or
+    outside its string), and only then the strings left, each holding a bracket; then each
+    round drops the innermost bracket pairs."""
     if frame.count("[") + frame.count("{") <= MAX_DEPTH:  # the common case
         return False
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", _ESCAPE.sub("", frame))).translate(_SQUARE)
-    if "[" * (MAX_DEPTH + 1) in brackets:
+    unescaped = frame.replace("\\\\", "").replace('\\"', "") if "\\" in frame else frame
+    skeleton = unescaped.encode("utf-8", "surrogatepass").translate(None, _NOT_SKELETON).replace(b'""', b"")
+    brackets = _STRING.sub(b"", skeleton).translate(_SQUARE, b'"')  # an unpaired quote: dropped (the frame is bad JSON anyway)
+    if b"[" * (MAX_DEPTH + 1) in brackets:
         return True
     for _ in range(MAX_DEPTH):
-        inner = brackets.replace("[]", "")
+        inner = brackets.replace(b"[]", b"")
         if not inner:
             return False
         if inner == brackets:  # no pair left to drop: unbalanced

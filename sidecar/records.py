@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from . import protocol as p
-from .metrics import Feedback, key_of
+from .metrics import Feedback, RefReused, key_of
 from .session import Session
 from .store import StoreBusy
 
@@ -37,12 +38,13 @@ class Records:
             raise p.ProtocolError("unknown_tool", f"no tool {msg.tool!r} in this session's catalog")
         if self.server.history is None:
             raise p.ProtocolError("store_failed", "this sidecar has no store")
+        key, digest = ref_key(conn.refs, msg.ref), payload_digest(msg)
         if isinstance(msg, p.ToolResult):
             if s.turns is not None:
                 s.turns.called(msg.tool)
-            write = functools.partial(self._store_call, conn, msg)
+            write = functools.partial(self._store_call, conn, msg, key, digest)
         else:
-            write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref)
+            write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref, key, digest)
         conn.records += 1
         task = asyncio.create_task(self._commit(conn, type(msg).__struct_config__.tag, write, msg.ref))
         self.pending.add(task)
@@ -51,6 +53,10 @@ class Records:
     async def _commit(self, conn: Connection, kind: str, write: Callable[[], p.Ack], ref: p.Ref | None) -> None:
         try:
             ack = await asyncio.to_thread(write)
+        except RefReused:
+            conn.send(p.Error("ref_reused", f"{kind} not recorded: its ref was already used for a different {kind} "
+                                            "(a resend must be the same frame; a new record needs a new ref)", ref))  # fmt: skip
+            return
         except StoreBusy as e:  # another process held the write lock past the bound: the client may resend
             log.warning("a %s was not recorded: %s", kind, e)
             conn.send(p.Error("store_busy", f"{kind} not recorded: the store is locked by another process; "
@@ -67,26 +73,32 @@ class Records:
             self.server.learner.called()
         conn.send(ack)
 
-    def _store_call(self, conn: Connection, msg: p.ToolResult) -> p.Ack:
+    def _store_call(self, conn: Connection, msg: p.ToolResult, key: str | None, digest: str) -> p.Ack:
         """On a store thread: the call, committed; for a failed one, the stand-ins."""
         scope = conn.session.scope
         server, tool = key_of(scope.catalog, msg.tool)
         row = self.server.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=conn.session.hello.agent,
-                                       call_id=call_id(conn.id, msg.ref), reporter=conn.id)  # fmt: skip
+                                              call_id=key, reporter=conn.id, digest=digest)  # fmt: skip
         if msg.ok:
             return p.Ack(msg.ref, row)
         return p.Ack(msg.ref, row, scope.engine.recommender.fallbacks(msg.tool, scope.context) or None)
 
-    def _store_feedback(self, fb: Feedback, ref: p.Ref | None) -> p.Ack:
-        return p.Ack(ref, self.server.history.record_feedback(fb))
+    def _store_feedback(self, fb: Feedback, ref: p.Ref | None, key: str | None, digest: str) -> p.Ack:
+        return p.Ack(ref, self.server.history.record_feedback(fb, key, digest))
 
 
-def call_id(connection: str, ref: p.Ref | None) -> str | None:
-    """A tool_result's id for the call log, from its `ref` within the connection: a result
-    resent with the same ref is counted once (the ref's JSON keeps 7 and "7" apart). Scoped by
-    the server's connection id, not the client-chosen hello.session, so no other client can
-    claim (or pre-empt) this one's refs."""
-    return None if ref is None else f"{connection}\x1f{msgspec.json.encode(ref).decode()}"
+def ref_key(scope: str, ref: p.Ref | None) -> str | None:
+    """A record's key in the store, from its `ref` under the connection's key (`ready.resume`,
+    a secret the server made, or an earlier connection's that the client sent back as
+    hello.resume): a record resent with the same ref, on this connection or after a reconnect,
+    is counted once (the ref's JSON keeps 7 and "7" apart). Not the client-chosen
+    hello.session, so no other client can claim (or pre-empt) this one's refs."""
+    return None if ref is None else f"{scope}\x1f{msgspec.json.encode(ref).decode()}"
+
+
+def payload_digest(msg: p.ToolResult | p.Feedback) -> str:
+    """sha256 of the record as the client sent it (its ref included): a resend must match it."""
+    return hashlib.sha256(p.encode(msg)).hexdigest()
 
 
 def feedback_of(s: Session, msg: p.Feedback) -> Feedback:

@@ -36,7 +36,7 @@ import logging
 import secrets
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,13 +68,15 @@ from .session import (
 )
 from .store import Store
 from .telemetry import Metrics, pin_mmap_threshold
-from .web import Web
+from .web import Web, peer
 
 log = logging.getLogger("sidecar.server")
 
-# A token frame is segmented this many characters at a time, the event loop served between
-# slices: 1 MiB of "abc\n" (262,144 clauses) held every client's pings for 53.8 s (issue 33).
-TOKEN_SLICE_CHARS = 4096
+# A token frame is segmented this many characters at a time, each slice waiting for the
+# connection's quota of queued spans and then serving the event loop: 1 MiB of "abc\n"
+# (262,144 clauses) held every client's pings for 53.8 s (issue 33); in slices of 4,096 with no
+# quota between them, 1 MB of it still held the loop 25 ms a slice, 5.6 s in all.
+TOKEN_SLICE_CHARS = 1024
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
@@ -90,6 +92,9 @@ class Connection:
         # The server's name for this connection, which scopes its records: hello.session is
         # chosen by the client, so another client may claim the same one.
         self.id = secrets.token_hex(8)
+        # The key its refs are kept under: a new secret, or the one an earlier connection of
+        # the client was given (hello.resume), so a resend after a reconnect counts once.
+        self.refs = ""
         self.quota = limits.max_queued_per_connection
         self.pending = pending
         # `end`s read since the dispatcher last took work (an `end` still waiting for its
@@ -106,6 +111,17 @@ class Connection:
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.writer = asyncio.create_task(self._write())
         self._closing: asyncio.Task | None = None
+        self.lost = False  # the connection closed (frames still buffered are not worked through)
+        self._watch = asyncio.ensure_future(ws.wait_closed())
+        self._watch.add_done_callback(self._lost)
+
+    def _lost(self, _: asyncio.Future) -> None:
+        """The connection closed (the client left, or was closed): its queued spans are
+        dropped when taken instead of judged for no one, and a reader paused on its quota
+        (or mid-frame) runs on to see the close; frames already buffered are not worked through."""
+        self.lost = True
+        self.session.closed = True
+        self.unthrottle()
 
     @property
     def backlog(self) -> int:
@@ -201,6 +217,7 @@ class Connection:
         """The connection is gone: stop the writer and drop what it can no longer send
         (so a shutdown waiting on `outbox.join()` is not kept waiting)."""
         self.writer.cancel()
+        self._watch.cancel()
         self._discard()
 
 
@@ -221,9 +238,10 @@ class SidecarServer:
         self.catalog = catalog
         self.store = store if store is not None else getattr(engine, "store", None)
         self.progress = progress
-        self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000)
+        self.pending = Pending(self.limits.max_pending, self.limits.stale_ms / 1000, span_chars)
         self.metrics = Metrics(self)
         self.connections: dict[Session, Connection] = {}
+        self.addresses: Counter[str] = Counter()  # open connections per peer address
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
@@ -262,6 +280,7 @@ class SidecarServer:
             self.limits.port,
             process_request=Web(self),
             max_size=self.limits.max_frame_bytes,
+            max_queue=self.limits.read_ahead_frames,
             compression=None,  # small frames at a high rate: deflate costs more than it saves
             server_header=f"sidecar/{__version__}",
         )
@@ -321,13 +340,27 @@ class SidecarServer:
 
     # Websocket side -------------------------------------------------------------------
 
+    def refusal(self, address: str) -> tuple[int, str] | None:
+        """Whether a new connection from `address` would pass the capacity limits: None, or
+        the HTTP status and reason to refuse it with (counted in sidecar_refused_connections_total)."""
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            self.metrics.refused.labels("max_connections").inc()
+            return 503, f"at most {limits.max_connections} connections"
+        if self.addresses[address] >= limits.max_connections_per_address:
+            self.metrics.refused.labels("per_address").inc()
+            return 429, f"at most {limits.max_connections_per_address} connections from one address (server.max_connections_per_address)"
+        return None
+
     async def _handle(self, ws: ServerConnection) -> None:
-        if len(self.connections) >= self.limits.max_connections:
-            await ws.close(1013, "too many connections")
+        address = peer(ws)
+        if (refused := self.refusal(address)) is not None:  # handshakes that passed the check together
+            await ws.close(1013, refused[1])
             return
         session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
+        self.addresses[address] += 1
         frames = aiter(ws)
         try:
             while True:
@@ -343,13 +376,19 @@ class SidecarServer:
                     else:
                         await ws.close(1008, f"no hello within {self.limits.hello_timeout_s:g} s")
                     break
+                if conn.lost:  # frames buffered before the close: nobody would get their answers
+                    break
                 await self._on_frame(conn, frame)
                 await conn.room()
+                await asyncio.sleep(0)  # the event loop's fair share: one frame, then every other ready connection's turn
         except ConnectionClosed:
             pass  # e.g. 1009 for an oversized frame: websockets already closed it
         finally:
             conn.session.closed = True
             del self.connections[conn.session]
+            self.addresses[address] -= 1
+            if not self.addresses[address]:
+                del self.addresses[address]
             self.pending.discard(conn.session)
             for key in [k for k in self._ending if k[0] is conn.session]:
                 del self._ending[key]
@@ -377,11 +416,8 @@ class SidecarServer:
         self.metrics.frames.labels("in", kind).inc()
         s = conn.session
         try:
-            if isinstance(msg, p.Token):  # a long delta in slices, yielding between them: as if sent in smaller frames
-                for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:
-                    if lo:
-                        await asyncio.sleep(0)
-                    self._queue(conn, s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], now))
+            if isinstance(msg, p.Token):
+                await self._token(conn, msg, now)
             elif isinstance(msg, p.User):
                 self._queue(conn, s.on_user(msg.stream, msg.text, now))
                 if s.resolved and self.learner is not None:
@@ -403,6 +439,26 @@ class SidecarServer:
             log.exception("handling a %s frame failed", kind)
             conn.send(p.Error("internal", f"{type(e).__name__}: {e}", getattr(msg, "ref", None)))
 
+    async def _token(self, conn: Connection, msg: p.Token, now: float) -> None:
+        """A long delta in slices, as if sent in smaller frames: each waits for the
+        connection's quota, then yields. One frame makes at most `max_queued_per_connection`
+        spans (a frame of a reply's tokens makes a few): the rest of a frame past it is not
+        read, and the client gets `too_many_spans`, so a frame of 200,000 tiny clauses costs one
+        slice, not minutes of the model's time (and of the event loop's, should it leave)."""
+        s, made = conn.session, 0
+        for lo in range(0, len(msg.delta), TOKEN_SLICE_CHARS) or [0]:
+            if lo:
+                await conn.room()
+                await asyncio.sleep(0)
+                if self.closing or conn.lost:  # the rest would be judged for no one
+                    return
+            if made >= self.limits.max_queued_per_connection:
+                raise p.ProtocolError("too_many_spans", f"a token frame makes at most {self.limits.max_queued_per_connection} spans "
+                                                        f"(max_queued_per_connection): the rest of this one, from character {lo}, was not read")  # fmt: skip
+            evaluations = s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now)
+            made += len(evaluations)
+            self._queue(conn, evaluations)
+
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
         if msg.version is not None and msg.version not in p.VERSIONS:
             spoken = ", ".join(map(str, p.VERSIONS))
@@ -418,9 +474,11 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
+        conn.refs = msg.resume or secrets.token_hex(16)
         if own is None and self.learner is not None:  # the server's catalog: what its lesson is for
             conn.session.turns = Turns()
-        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(), sidecar=__version__))
+        conn.send(p.Ready(version=conn.session.version or p.VERSION, model=base.pipeline.embedder.name, tools=catalog.names(),
+                          sidecar=__version__, resume=conn.refs))  # fmt: skip
 
     async def _session_engine(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """A session catalog's engine, built on the model thread and shared by sessions that
@@ -483,6 +541,8 @@ class SidecarServer:
             await self._wake.wait()
             self._wake.clear()
             budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
+            if self._cost_per_char:  # overload: whole streams go before every stream is late
+                self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
             batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
             batch = [ev for ev in batch if not ev.owner.closed]
             self._release_backlogs()
@@ -495,7 +555,7 @@ class SidecarServer:
 
     def _cost(self, ev: Evaluation) -> float:
         """A span's estimated share of a batch's time on the model thread, in seconds."""
-        return (self._cost_per_char or 0.0) * (len(ev.text) + COST_OVERHEAD_CHARS)
+        return (self._cost_per_char or 0.0) * span_chars(ev)
 
     def _answer_ends(self) -> None:
         """`ended` for every stream none of whose spans wait any more: those queued before
@@ -520,7 +580,7 @@ class SidecarServer:
             log.exception("judging a batch of %d failed", len(batch))
             verdicts, sizes = [], []
         else:
-            per_char = took / sum(len(ev.text) + COST_OVERHEAD_CHARS for ev in batch)
+            per_char = took / sum(map(span_chars, batch))
             prev = self._cost_per_char
             self._cost_per_char = per_char if prev is None else prev + COST_EWMA * (per_char - prev)
         finally:
@@ -604,6 +664,11 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
     engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
     engine.recommender.prepare()
     return engine
+
+
+def span_chars(ev: Evaluation) -> int:
+    """A span's size in the model's cost estimate: its characters and a fixed overhead."""
+    return len(ev.text) + COST_OVERHEAD_CHARS
 
 
 def timed_judge(batch: list[Evaluation]) -> tuple[list[Verdict], list[int], float]:

@@ -93,6 +93,19 @@ class Evaluation:
     turn_chars: int | None = None  # a user turn's length (it arrives whole); None: LLM output, counted as it streams
 
 
+TURN_JOIN = " … "
+
+
+def head_and_tail(text: str, limit: int) -> str:
+    """A user turn as it is judged: whole up to `limit` characters, else its first and last
+    halves of `limit` (the ask is usually at either end of a pasted document), so one turn's
+    work on the model thread (patterns, tokenizer, embedding) is bounded whatever its length."""
+    if len(text) <= limit:
+        return text
+    half = (limit - len(TURN_JOIN)) // 2
+    return text[:half] + TURN_JOIN + text[-half:]
+
+
 class Session:
     def __init__(self, limits: ServerConfig, count_unchanged: Callable[[int], None] | None = None):
         """`count_unchanged(n)`: told of spans a stream's segmenter did not emit again (their
@@ -138,9 +151,10 @@ class Session:
         if not stripped:
             return []
         start = len(text) - len(text.lstrip())
-        if self.turns is not None and (done := self.turns.turn(stripped)) is not None:
+        judged = head_and_tail(stripped, self.limits.max_turn_chars)
+        if self.turns is not None and (done := self.turns.turn(judged)) is not None:
             self.resolved.append(done)
-        return [Evaluation(self, self.scope, state, stripped, start, start + len(stripped), "user", received, object(), turn_chars=len(text))]
+        return [Evaluation(self, self.scope, state, judged, start, start + len(stripped), "user", received, object(), turn_chars=len(text))]
 
     def on_token(self, stream: str, delta: str, received: float) -> list[Evaluation]:
         self.require_hello("token")

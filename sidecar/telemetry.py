@@ -44,6 +44,8 @@ class Metrics:
         self.batch = Histogram("sidecar_batch_size", "Evaluations judged per model call.", buckets=BATCH_BUCKETS, registry=r)
         self.errors = Counter("sidecar_errors", "error messages sent, by code.", ("code",), registry=r)
         self.timeouts = Counter("sidecar_connection_timeouts", "Connections closed for silence: no hello in time, or idle.", ("kind",), registry=r)
+        self.refused = Counter("sidecar_refused_connections", "Connections refused for capacity: max_connections, or "
+                               "max_connections_per_address from one peer address.", ("reason",), registry=r)  # fmt: skip
         self.events = Counter("sidecar_events", "tool_result / feedback records committed.", ("kind",), registry=r)
         self.unchanged = Counter("sidecar_spans_unchanged", "Longer spans of a growing clause not judged: no content word gained.",
                                  registry=r)  # fmt: skip

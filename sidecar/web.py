@@ -43,6 +43,9 @@ class Web:
             resp = conn.respond(405, f"method {request.method} is not allowed: GET or HEAD\n")
             resp.headers["Allow"] = "GET, HEAD"
             return resp
+        for name in ("Host", "Origin", "Authorization", "Upgrade"):  # read below: one each, or the request is ambiguous
+            if len(request.headers.get_all(name)) > 1:
+                return conn.respond(400, f"more than one {name} header\n")
         host = request.headers.get("Host")
         if host is not None and _loopback(limits.host) and not _loopback(_hostname(host)):
             return conn.respond(421, f"host {host} is not this sidecar: a loopback sidecar answers only to a loopback name\n")
@@ -71,8 +74,11 @@ class Web:
             resp = conn.respond(503, "loading the model; retry shortly\n")
             resp.headers["Retry-After"] = "1"
             return resp
-        if len(s.connections) >= limits.max_connections:
-            return conn.respond(503, f"at most {limits.max_connections} connections\n")
+        if (refused := s.refusal(peer(conn))) is not None:
+            status, why = refused
+            resp = conn.respond(status, why + "\n")
+            resp.headers["Retry-After"] = "1"
+            return resp
         return None
 
     def authorized(self, headers: Headers, query: str) -> bool:
@@ -85,6 +91,12 @@ class Web:
         if given is None:
             given = (parse_qs(query).get("token") or [None])[0]
         return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def peer(conn: ServerConnection) -> str:
+    """The peer's address, without its port ("" when the transport has none)."""
+    remote = conn.remote_address
+    return str(remote[0]) if remote else ""
 
 
 def _hostname(host: str) -> str:

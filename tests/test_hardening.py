@@ -316,6 +316,57 @@ def test_a_second_client_claiming_the_same_session_cannot_take_over_or_suppress_
     assert rows[v2.id] == ("create_note", 0, "disk full")  # the victim's failure did not vanish
 
 
+def test_refs_count_once_across_reconnects_and_a_changed_payload_is_refused(small):
+    """Issue 33 item 7: feedback was not deduplicated by ref; a resend of a ref with another
+    payload was taken as the first; refs were deduplicated only within one connection, so a
+    client that resent after a reconnect counted twice. Now a reconnecting client sends back
+    its ready.resume and a resend counts once; a changed payload gets `ref_reused`."""
+
+    async def answer(sc: SidecarClient) -> p.Ack | p.Error:
+        return (await until(sc, lambda m: isinstance(m, (p.Ack, p.Error))))[-1]
+
+    async def body():
+        async with serving(small) as srv:
+            async with await SidecarClient.connect(srv.url, session="chat-7") as sc:
+                key = sc.ready.resume
+                await sc.feedback("create_note", rating=4.0, selected=True, query="save it, refs test", ref="f-1")
+                f1 = await answer(sc)
+                await sc.feedback("create_note", rating=4.0, selected=True, query="save it, refs test", ref="f-1")  # resent
+                f1_again = await answer(sc)
+                await sc.feedback("create_note", rating=0.5, selected=False, ref="f-1")  # another payload, same ref
+                changed = await answer(sc)
+                await sc.tool_result("create_note", True, 40.0, ref="r-1")
+                r1 = await answer(sc)
+                await sc.tool_result("create_note", False, 40.0, error="oops", ref="r-1")
+                changed_call = await answer(sc)
+            async with await SidecarClient.connect(srv.url, session="chat-7", resume=key) as sc:  # a reconnect
+                await sc.tool_result("create_note", True, 40.0, ref="r-1")
+                r1_after = await answer(sc)
+                await sc.feedback("create_note", rating=4.0, selected=True, query="save it, refs test", ref="f-1")
+                f1_after = await answer(sc)
+                resumed = sc.ready.resume
+            async with await SidecarClient.connect(srv.url, session="chat-7") as sc:  # no resume: a new key, new refs
+                await sc.tool_result("create_note", True, 40.0, ref="r-1")
+                fresh = await answer(sc)
+                other_key = sc.ready.resume
+            return key, resumed, other_key, f1, f1_again, changed, r1, changed_call, r1_after, f1_after, fresh
+
+    key, resumed, other_key, f1, f1_again, changed, r1, changed_call, r1_after, f1_after, fresh = run(body())
+    assert len(key) >= 32 and resumed == key and other_key != key
+    assert isinstance(f1, p.Ack) and f1_again.id == f1.id and f1_after.id == f1.id
+    assert isinstance(r1, p.Ack) and r1_after.id == r1.id
+    assert isinstance(fresh, p.Ack) and fresh.id != r1.id
+    for e, ref in ((changed, "f-1"), (changed_call, "r-1")):
+        assert isinstance(e, p.Error) and e.code == "ref_reused" and e.ref == ref, e
+    db = sqlite3.connect(small.store.path)
+    try:
+        assert db.execute("SELECT rating FROM feedback WHERE id=?", (f1.id,)).fetchone() == (4.0,)
+        assert db.execute("SELECT count(*) FROM feedback WHERE query='save it, refs test'").fetchone()[0] == 1
+        assert db.execute("SELECT success FROM tool_calls WHERE id=?", (r1.id,)).fetchone() == (1,)
+    finally:
+        db.close()
+
+
 # I: stored strings capped -----------------------------------------------------------------
 
 

@@ -52,7 +52,7 @@ def test_a_client_that_reads_promptly_is_never_closed_for_a_burst_of_results(sma
     n, outbox = 120, 16  # each batch of up to 64 turns answers with up to 128 messages at once
 
     async def body():
-        async with serving(small, outbox_messages=outbox, stale_ms=120_000) as srv, \
+        async with serving(small, outbox_messages=outbox, stale_ms=120_000, shed_ms=120_000) as srv, \
                    await SidecarClient.connect(srv.url, session="burst", decisions=True) as sc:  # fmt: skip
             conn = conn_of(srv, "burst")
             most = 0
@@ -81,7 +81,7 @@ def test_a_client_that_reads_promptly_is_never_closed_for_a_burst_of_results(sma
 
 def test_a_client_that_does_not_read_is_closed_with_1013_and_others_go_on(small, caplog):
     async def body():
-        async with serving(small, send_timeout_s=1.0, outbox_messages=64, stale_ms=120_000) as srv, \
+        async with serving(small, send_timeout_s=1.0, outbox_messages=64, stale_ms=120_000, shed_ms=120_000) as srv, \
                    await SidecarClient.connect(srv.url, session="probe") as probe:  # fmt: skip
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills soon
@@ -128,7 +128,7 @@ def test_batches_are_bounded_and_round_robin_so_a_probe_is_not_held_behind_a_flo
     flood, per_batch = 160, 8
 
     async def body():
-        async with serving(small, max_batch_spans=per_batch, stale_ms=120_000, max_queued_per_connection=512) as srv, \
+        async with serving(small, max_batch_spans=per_batch, stale_ms=120_000, shed_ms=120_000, max_queued_per_connection=512) as srv, \
                    await SidecarClient.connect(srv.url, session="flood", decisions=True) as sc, \
                    await SidecarClient.connect(srv.url, session="probe") as probe:  # fmt: skip
             release = threading.Event()
@@ -165,7 +165,7 @@ def test_batches_are_bounded_and_round_robin_so_a_probe_is_not_held_behind_a_flo
 
 def test_batches_are_bounded_in_milliseconds(small):
     async def body():
-        async with serving(small, max_batch_ms=0.001, stale_ms=120_000) as srv, \
+        async with serving(small, max_batch_ms=0.001, stale_ms=120_000, shed_ms=120_000) as srv, \
                    await SidecarClient.connect(srv.url, session="ms", decisions=True) as sc:  # fmt: skip
             await sc.user("warm", "Please make a note called warm up.")  # a first batch measures the cost
             await until(sc, lambda m: isinstance(m, p.DecisionReport))

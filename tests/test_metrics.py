@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from sidecar.metrics import DAY_S, Feedback, MetricsStore, day_of
+from sidecar.metrics import DAY_S, Feedback, MetricsStore, RefReused, day_of
 from sidecar.store import Store
 from tests.conftest import ROOT
 
@@ -53,6 +53,38 @@ def test_a_resent_call_id_counts_once(ms):
     b = ms.record_call("fs", "read_file", True, 5.0, call_id="c1")
     assert a == b
     assert ms.tool("fs", "read_file").call_count == 1
+
+
+def test_a_ref_resent_with_its_payload_counts_once_and_with_another_is_refused(ms):
+    """Issue 33: a resend of a ref with a changed payload was silently taken as the first, and
+    feedback was not deduplicated at all. Now both kinds remember ref and payload digest."""
+    a = ms.record_call("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1")
+    assert ms.record_call("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1") == a
+    with pytest.raises(RefReused):
+        ms.record_call("fs", "read_file", False, 9.0, "EIO", call_id="k\x1fr-1", digest="d2")
+    m = ms.tool("fs", "read_file")
+    assert (m.call_count, m.failure_count) == (1, 0)
+    fb = Feedback(query="q", recommended=["fs__read_file"], selected="fs__read_file", rating=4.0)
+    f1 = ms.record_feedback(fb, "k\x1fr-1", "d3")  # the same ref as a call's: another kind, another record
+    assert ms.record_feedback(fb, "k\x1fr-1", "d3") == f1
+    with pytest.raises(RefReused):
+        ms.record_feedback(Feedback(query="q", recommended=["fs__read_file"], rating=0.0), "k\x1fr-1", "d4")
+    assert ms.store.query("SELECT count(*) FROM feedback")[0][0] == 1
+    assert ms.record_feedback(fb) != f1  # no ref: nothing to deduplicate
+
+
+def test_a_store_from_before_record_refs_opens_and_keeps_its_rows(ms):
+    """The migration: a store written before record_refs existed gains the table when opened
+    and keeps its calls; an old call_id resent with a digest still counts once."""
+    old = ms.record_call("fs", "read_file", True, 5.0, call_id="c-old")
+    ms.store.ensure_schema("DROP TABLE record_refs")
+    assert "record_refs" not in ms.store.tables()
+    again = MetricsStore(ms.store, retention_days=7, clock=ms.clock)
+    assert "record_refs" in ms.store.tables()
+    assert again.tool("fs", "read_file").call_count == 1
+    assert again.record_call("fs", "read_file", True, 5.0, call_id="c-old", digest="d") == old
+    assert again.record_call("fs", "read_file", True, 5.0, call_id="c-old", digest="d") == old
+    assert again.tool("fs", "read_file").call_count == 1
 
 
 def test_server_top_and_failing(ms):

@@ -67,7 +67,7 @@ def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("narration")
     # Each clause judged whole (no growing spans, which a busy model thread may supersede or not)
     # and never stale on a loaded machine: the test is about what is judged, not how fast.
-    (tmp / "sidecar.toml").write_text("[server]\nstale_ms = 600000\nspan_words = 10000\n")
+    (tmp / "sidecar.toml").write_text("[server]\nstale_ms = 600000\nshed_ms = 600000\nspan_words = 10000\n")
     args = ["--model", model, "--store", str(tmp / "sidecar.db"), "--config", str(tmp / "sidecar.toml")]
     for server in SERVERS:
         args += ["--catalog", str(CATALOGS / f"{server}.json")]

@@ -27,7 +27,7 @@ import pytest
 from sidecar import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
-from sidecar.metrics import MetricsStore, key_of
+from sidecar.metrics import Feedback, MetricsStore, RefReused, key_of
 from sidecar.store import Store, StoreBusy, StoreError, open_store
 from sidecar.store_pg import PgStore, display, pg_ddl
 
@@ -36,7 +36,9 @@ from .pg_cluster import Cluster
 from .test_metrics import (  # noqa: F401  (the same tests, collected here again with this module's `ms`)
     Clock,
     acked_then_killed,
+    test_a_ref_resent_with_its_payload_counts_once_and_with_another_is_refused,
     test_a_resent_call_id_counts_once,
+    test_a_store_from_before_record_refs_opens_and_keeps_its_rows,
     test_feedback_round_trip_and_ratings,
     test_recent_counts_window_and_agent,
     test_reset_forgets_history_but_keeps_feedback,
@@ -177,6 +179,44 @@ def test_replicas_writing_at_once_lose_no_update(pg_url):
     assert (m.call_count, m.success_count, m.failure_count) == (n * per, n * 40, n * 10)
     assert m.avg_latency_ms == pytest.approx(sum(range(per)) / per)
     assert ms.generation() == n * per
+
+
+def test_a_ref_resent_through_another_replica_at_once_counts_once(pg_url):
+    """Issue 33: a client that reconnects may land on another replica and resend there. Four
+    replicas recording the same refs at the same moment make one row per ref; a changed
+    payload under a ref is refused on any replica."""
+    n, refs = 4, 25
+    errors: list[BaseException] = []
+    ids: dict[int | str, set[int]] = {i: set() for i in [*range(refs), "feedback"]}
+    lock = threading.Lock()
+    barrier = threading.Barrier(n)
+
+    def replica() -> None:
+        try:
+            store = open_store(pg_url)
+            ms = MetricsStore(store)
+            barrier.wait(BOUND_S)
+            got = [(i, ms.record_call("fs", "read_file", True, 1.0, call_id=f"key\x1f{i}", digest=f"d{i}")) for i in range(refs)]
+            got.append(("feedback", ms.record_feedback(Feedback(query="q", recommended=["read_file"], rating=3.0), "key\x1ff", "df")))
+            store.close()
+            with lock:
+                for i, row in got:
+                    ids[i].add(row)
+        except Exception as e:  # noqa: BLE001  (reported below, in the test thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=replica) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+    assert errors == []
+    assert all(len(rows) == 1 for rows in ids.values()), ids
+    other = MetricsStore(open_store(pg_url))
+    assert other.tool("fs", "read_file").call_count == refs
+    assert rows(pg_url, "SELECT count(*) FROM feedback") == [(1,)]
+    with pytest.raises(RefReused):
+        other.record_call("fs", "read_file", False, 1.0, "EIO", call_id="key\x1f3", digest="changed")
 
 
 def test_a_write_waits_a_bounded_time_for_another_replicas_lock(pg_url):

@@ -134,9 +134,9 @@ def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
     ranked on its own. What can differ is *which* spans are judged: under load the server
     lets a growing clause's newer span supersede its pending shorter one (and drops stale
     ones), by design. So the limits here judge clauses whole (`span_words` beyond any
-    clause: every span has its own key) and never go stale; the test checks the server
+    clause: every span has its own key) and are never shed or go stale; the test checks the server
     dropped nothing, so the equality is exact rather than lucky."""
-    limits = ServerConfig(port=0, span_words=10_000, stale_ms=600_000)
+    limits = ServerConfig(port=0, span_words=10_000, stale_ms=600_000, shed_ms=600_000)
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")]})
     pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
     convs = replay.read_transcripts(TRANSCRIPTS, pipe.catalog)
@@ -161,7 +161,7 @@ def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
 
     run, dropped = asyncio.run(through_server())
     assert run.returncode == 0, run.stderr
-    assert dropped == {"superseded": 0, "overflow": 0, "stale": 0}
+    assert dropped == {"superseded": 0, "shed": 0, "overflow": 0, "stale": 0}
     assert json.loads(run.stdout) == json.loads(msgspec.json.encode(summary))
     got = [json.loads(line) for line in (tmp_path / "url.jsonl").read_text().splitlines()]
     assert got == [json.loads(msgspec.json.encode(d)) for d in detections]

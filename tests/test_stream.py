@@ -117,8 +117,9 @@ def test_end_flushes_a_pending_terminator_and_is_final():
 
 
 class Ev:
-    def __init__(self, key, received, name=""):
+    def __init__(self, key, received, name="", owner=None, stream=None, cost=1.0):
         self.key, self.received, self.name = key, received, name
+        self.owner, self.stream, self.cost = owner, stream, cost
 
 
 def test_pending_supersedes_per_stream_and_counts_every_drop():
@@ -135,6 +136,33 @@ def test_pending_supersedes_per_stream_and_counts_every_drop():
     taken = q.take(now=0.5)
     assert q.dropped["stale"] == 1  # ... and "old" waited too long
     assert [e.name for e in taken] == ["u1", "u2"] and len(q) == 0
+
+
+def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
+    """Issue 33 overload policy: past the budget, whole streams go, the most loaded connection's
+    biggest first, until the rest fits; a connection with one span waiting keeps it, and each
+    shed span is counted."""
+    q = Pending(max_pending=1000, stale_s=10.0, weight=lambda ev: ev.cost)
+    for s in range(4):  # the flooder: 4 streams of 5 spans
+        for k in range(5):
+            q.put(Ev(object(), 0.0, f"f{s}-{k}", owner="flood", stream=f"s{s}"))
+    q.put(Ev(object(), 0.0, "v", owner="victim", stream="v"))
+    for s in range(2):  # a busy one: 2 streams of 3 spans
+        for k in range(3):
+            q.put(Ev(object(), 0.0, f"b{s}-{k}", owner="busy", stream=f"s{s}"))
+    assert q.shed(budget=30.0) == 0  # 27 spans of cost 1 fit
+    assert q.shed(budget=12.0) == 15  # flood 20 -> 15 -> 10 -> 5 (busy 6, tied at 10 first)
+    left = [e.name for e in q.take(0.0)]
+    assert q.dropped["shed"] == 15 and len(left) == 12
+    assert "v" in left and sum(n.startswith("b") for n in left) == 6
+    assert len({n.split("-")[0] for n in left if n.startswith("f")}) == 1  # the flooder kept one whole stream
+    for s in range(3):
+        q.put(Ev(object(), 0.0, f"x{s}", owner="x", stream=f"s{s}"))
+    assert q.shed(budget=0.5) == 3 and len(q) == 0 and q.weight_total == 0
+    for k in range(10):  # one stream alone over the budget keeps its newest spans
+        q.put(Ev(object(), 0.0, f"t{k}", owner="turns", stream="t"))
+    assert q.shed(budget=4.0) == 6
+    assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
 # Session -----------------------------------------------------------------------------
@@ -252,6 +280,19 @@ def test_clauses_of_a_stream_never_supersede_each_other_but_a_growing_clause_doe
         q.put(ev)
     assert [e.text for e in q.take(0.0)] == ["one two three four five six", "seven eight nine ten"]
     assert q.dropped["superseded"] == 2  # the 3-word spans of each clause, overtaken by longer ones
+
+
+def test_a_long_user_turn_is_judged_on_its_head_and_tail(notes):
+    """Issue 33: a 100,000-character turn held the model thread 490 ms (patterns, tokenizer),
+    delaying every other session's decisions; now what is judged is bounded by max_turn_chars,
+    and an ask at either end of a pasted document is still in it."""
+    s = started(ServerConfig(max_turn_chars=200), notes)
+    turn = "Please search my notes. " + "lorem ipsum " * 10_000 + "Then delete the old one."
+    (ev,) = s.on_user("u", "  " + turn, 0.0)
+    assert len(ev.text) <= 200 and ev.text.startswith("Please search my notes.") and ev.text.endswith("delete the old one.")
+    assert (ev.start, ev.end, ev.turn_chars) == (2, 2 + len(turn), len(turn) + 2)  # where the turn was, as sent
+    (short,) = s.on_user("v", "Please search my notes.", 0.0)
+    assert short.text == "Please search my notes."
 
 
 def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes):

@@ -214,7 +214,7 @@ def served(tmp_path_factory):
     """A real `sidecar serve` on 127.0.0.1 that wants a token; its log in a file. Spans never
     go stale (a loaded machine would drop them by design, and the counts with them)."""
     tmp = tmp_path_factory.mktemp("served")
-    (tmp / "serve.toml").write_text('[server]\ntoken = "s3cret"\nstale_ms = 600000\n')
+    (tmp / "serve.toml").write_text('[server]\ntoken = "s3cret"\nstale_ms = 600000\nshed_ms = 600000\n')
     args = ["--config", str(tmp / "serve.toml"), "--model", models.SMALL_MODEL,
             *[a for f in CATALOG_FILES for a in ("--catalog", f)], "--store", str(tmp / "serve.db")]  # fmt: skip
     with serve_process(args, tmp, env={"SIDECAR_TOKEN": None}, timeout=WAIT_S) as server:
