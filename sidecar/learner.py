@@ -48,8 +48,7 @@ class Learner:
 
     async def _add(self, examples) -> None:
         try:
-            n = await asyncio.to_thread(self.log.add, examples)
-            kept = await asyncio.to_thread(self.log.count)
+            n, kept = await asyncio.to_thread(lambda: (self.log.add(examples), self.log.count()))
         except Exception:
             log.exception("recording %d traffic examples failed", len(examples))
             return

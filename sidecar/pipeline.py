@@ -257,10 +257,11 @@ class Pipeline:
         )
         out = []
         truncated = dict(zip(todo, embedded.truncated))
+        bars = {source: self._thresholds(source) for source in {r.source for r in requests}}  # once a batch, not a text
         for i, (r, s) in enumerate(zip(requests, routes)):
             timing = Timing(share.regex, share.embed if i in candidates else 0.0, share.cosine if i in candidates else 0.0)
             timing.total = timing.regex + timing.embed + timing.cosine
-            d = decide(r.text, r.source, s, candidates.get(i, []), self._thresholds(r.source), timing, confidence.get(i))
+            d = decide(r.text, r.source, s, candidates.get(i, []), bars[r.source], timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
         rows = dict(zip(todo, embedded.vectors))

@@ -370,29 +370,30 @@ class TrafficFit(msgspec.Struct, frozen=True):
         rows = [i for i, t in enumerate(truth) if t is not None][-self.max_rank_rows :]
         if len(rows) < self.min_called:
             return None
-        work = copy.copy(pipeline)
-        work.learned = seen
-        views = work.views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
+        views = with_lesson(pipeline, seen).views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
         features = np.stack([v.features for v in views])
         w = RankerFit().weights(features, [[column[truth[i]]] for i in rows])
         return np.asarray(w, np.float32)
 
 
 def judge_vectors(pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, learned: Learned | None) -> tuple[np.ndarray, list[str | None]]:
-    """User turns' probabilities and best tools, judged by `pipeline` with `learned` applied.
-    A shallow copy judges: the pipeline in service is never touched from this thread."""
+    """User turns' probabilities and best tools, judged by `pipeline` with `learned` applied."""
     from .pipeline import Request
 
-    work = copy.copy(pipeline)
-    work.learned = learned
-    return work.probabilities([Request(t, "user") for t in texts], vectors)
+    return with_lesson(pipeline, learned).probabilities([Request(t, "user") for t in texts], vectors)
 
 
 def bar_without_lesson(pipeline: Pipeline) -> float:
     """The bar of user turns with no lesson applied."""
+    return with_lesson(pipeline, None).bar_in_force
+
+
+def with_lesson(pipeline: Pipeline, learned: Learned | None) -> Pipeline:
+    """A shallow copy of `pipeline` with `learned` applied: a fit judges on it from its own
+    thread, and the pipeline in service is never touched."""
     work = copy.copy(pipeline)
-    work.learned = None
-    return work.bar_in_force
+    work.learned = learned
+    return work
 
 
 class Rates(msgspec.Struct):

@@ -208,7 +208,7 @@ class Proxy:
             return
         vector = judge.vectors.get("user")
         if vector is not None:
-            self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(body))
+            self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(turns))
 
     async def _count(self, offer: Offer) -> None:
         self.metrics.tools_added.observe(len(offer.tools))
@@ -458,11 +458,10 @@ class Proxy:
         return [{**every[f.tool], "score": f.score, "reason": f.reason} for f in found if f.tool in every]
 
 
-def conversation_of(body: dict[str, Any]) -> str | None:
-    """A conversation's name, from its first user turn (an OpenAI request names none): the session
-    its examples and its calls' order are kept under."""
-    turns = shapes.user_turns(body.get("messages") or [])
-    return f"proxy:{hashlib.sha256(turns[0].encode()).hexdigest()[:16]}" if turns else None
+def conversation_of(turns: list[str]) -> str:
+    """A conversation's name, from its first user turn (an OpenAI request names none): the
+    session its examples are kept under."""
+    return f"proxy:{hashlib.sha256(turns[0].encode()).hexdigest()[:16]}"
 
 
 def _refused_body(e: Refused) -> dict[str, Any]:
