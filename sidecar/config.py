@@ -130,6 +130,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # per character), so another connection's span waits at most about one batch.
     max_batch_spans: int = 64
     max_batch_ms: float = 250.0
+    # ... but while two or more connections have spans waiting or were answered within the last
+    # second, a batch stops at about shared_batch_ms, and a hello's new tools are embedded about
+    # that much estimated work a job: a span that arrives while another connection's batch is
+    # judged waits about this, not max_batch_ms (issue 33). A lone stream keeps the big batches.
+    shared_batch_ms: float = 40.0
     # hello.tools may define at most this many new tools; they are embedded on the model
     # thread catalog_slice_tools at a time, between batches, so other sessions' spans are not
     # held behind a big catalog.
@@ -171,7 +176,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"server.inject_margin={self.inject_margin} must be within 0..1")
         if self.token is not None and not self.token.strip():
             raise ValueError("server.token is empty: unset it or give a secret")
-        for key in ("max_batch_spans", "max_batch_ms", "max_hello_tools", "catalog_slice_tools", "session_catalogs", "outbox_messages",
+        for key in ("max_batch_spans", "max_batch_ms", "shared_batch_ms", "max_hello_tools", "catalog_slice_tools", "session_catalogs", "outbox_messages",
                     "send_timeout_s", "store_busy_timeout_ms", "hello_timeout_s", "idle_timeout_s"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")

@@ -49,6 +49,7 @@ class Pending:
         self.stale_s = stale_s
         self.weight = weight or (lambda ev: 1.0)
         self.weight_total = 0.0
+        self._weights: Counter[Any] = Counter()  # connection -> the weight it has waiting
         self.dropped: Counter[str] = Counter({r: 0 for r in REASONS})
         # connection -> its evaluations by key, oldest first; the connections in round-robin
         # order (one that was served moves to the back)
@@ -63,6 +64,15 @@ class Pending:
         """Spans a connection has waiting."""
         items = self._groups.get(group)
         return len(items) if items is not None else 0
+
+    def owners(self) -> set[Any]:
+        """The connections with spans waiting."""
+        return set(self._groups)
+
+    def heaviest_share(self) -> float:
+        """The largest share of the waiting weight that one connection holds (0 when none
+        waits): near 1 when one connection floods, small when many share the load."""
+        return max(self._weights.values()) / self.weight_total if self._weights and self.weight_total > 0 else 0.0
 
     def stream_pending(self, group: Any, stream_id: Any) -> bool:
         """Whether a stream still has spans waiting (its `ended` must wait for them)."""
@@ -82,6 +92,7 @@ class Pending:
         items[ev.key] = ev
         self._n += 1
         self.weight_total += self.weight(ev)
+        self._weights[g] += self.weight(ev)
         self._streams[_stream(ev)] += 1
         while self._n > self.max_pending:
             biggest = max(self._groups, key=lambda k: len(self._groups[k]))
@@ -165,6 +176,10 @@ class Pending:
     def _forget(self, ev: Any) -> None:
         self._n -= 1
         self.weight_total -= self.weight(ev)
+        g = _group(ev)
+        self._weights[g] -= self.weight(ev)
+        if self._weights[g] <= 1e-9:
+            del self._weights[g]
         key = _stream(ev)
         self._streams[key] -= 1
         if self._streams[key] <= 0:

@@ -6,12 +6,13 @@ Concurrency, in one place:
   connection's Session (session.py) and queues spans in `Pending`; it never embeds;
 - one worker thread owns the model: a dispatcher task hands it one bounded batch at a time
   (`Pending.take`: round-robin over connections, at most `max_batch_spans` spans and about
-  `max_batch_ms` of estimated work), and it judges them (`session.judge`: `Sidecar.judge`
+  `max_batch_ms` of estimated work, `shared_batch_ms` while other connections share the
+  model), and it judges them (`session.judge`: `Sidecar.judge`
   once per engine, so many streams share one llama.cpp call); while it works, new spans
   queue (and, under overload, supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
   batch that held its last ones is delivered;
-- a `hello`'s new tools are embedded on the same thread in slices of `catalog_slice_tools`,
-  queued between batches, so a big session catalog delays others by one slice, not all of it;
+- a `hello`'s new tools are embedded on the same thread in slices (`catalog_slice_tools`,
+  about `shared_batch_ms` of estimated work), queued between batches, so a big session catalog delays others by one slice, not all of it;
 - with live MCP servers (`mcp`), their connections live on the event loop and a tool-list
   change reindexes the engine's pipeline in place, also on the model thread (mcp/live.py);
 - each connection has an outbox drained by its own writer task, which awaits each send (the
@@ -38,17 +39,20 @@ import signal
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from . import __version__
+from . import cases as cases_mod
 from . import protocol as p
-from .catalog import Catalog
+from .catalog import Catalog, Tool
 from .config import Config
 from .engine import Sidecar
 from .gate import Decision
+from .index import PRIMARY_CHARS
 from .mcp.config import McpConfig
 from .mcp.connections import ConnectionManager
 from .mcp.live import LiveCatalog, go_live
@@ -79,6 +83,8 @@ log = logging.getLogger("sidecar.server")
 TOKEN_SLICE_CHARS = 1024
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
+SHARED_WINDOW_S = 1.0  # a connection answered this recently still shares the model (shared_batch_ms)
+SATURATED_SHARE = 0.5  # a queue over max_batch_ms that no connection holds this much of: big batches
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
 
 
@@ -252,6 +258,7 @@ class SidecarServer:
         self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
+        self._answered: OrderedDict[Session, float] = OrderedDict()  # connection -> when its last span was taken, oldest first
         self.records = Records(self)  # tool_result / feedback commits in flight
         self._busy = False
         self._ws: Server | None = None
@@ -508,8 +515,7 @@ class SidecarServer:
         known = [t for t in catalog if (o := old.get(t.name)) is not None and o.content_hash == t.content_hash]
         names = {t.name for t in known}
         fresh = [t for t in catalog if t.name not in names]
-        step = self.limits.catalog_slice_tools
-        steps = [Catalog(known + fresh[:i], catalog.sources) for i in range(0, len(fresh), step)] + [catalog]
+        steps = [Catalog(known + fresh[:i], catalog.sources) for i in slice_starts(fresh, self.limits.catalog_slice_tools, self._cost_per_char, self.limits.shared_batch_ms / 1000)] + [catalog]
         engine = base
         for cat in steps:
             engine = await loop.run_in_executor(self._worker, engine.with_catalog, cat, False)  # hello tools are not stored
@@ -540,11 +546,15 @@ class SidecarServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            budget = self.limits.max_batch_ms / 1000 if self._cost_per_char is not None else None
+            now = time.perf_counter()
+            budget = self._batch_ms(now) / 1000 if self._cost_per_char is not None else None
             if self._cost_per_char:  # overload: whole streams go before every stream is late
                 self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
-            batch = self.pending.take(time.perf_counter(), self.limits.max_batch_spans, budget, self._cost)
+            batch = self.pending.take(now, self.limits.max_batch_spans, budget, self._cost)
             batch = [ev for ev in batch if not ev.owner.closed]
+            for ev in batch:
+                self._answered[ev.owner] = now
+                self._answered.move_to_end(ev.owner)
             self._release_backlogs()
             if batch:
                 await self._judge(loop, batch)
@@ -552,6 +562,26 @@ class SidecarServer:
             if len(self.pending) or self._ending:
                 self._wake.set()
                 await asyncio.sleep(0)  # let readers and writers run between batches
+
+    def _batch_ms(self, now: float) -> float:
+        """The next batch's estimated work. `shared_batch_ms` while other connections wait or
+        were answered within SHARED_WINDOW_S (or a hello's tools are being embedded), so a span
+        that arrives behind the batch waits a short one; `max_batch_ms` while one connection has
+        the model to itself, or while more than a big batch waits spread over many connections
+        (no one holds half of it): then every stream is a neighbour's victim alike and bigger
+        batches judge more a second (the model embeds a batch of texts at a lower cost per
+        text; 250 ms batches judged about 1.6 times the spans 40 ms ones did at saturation).
+        One connection flooding the queue keeps the batches short for the others."""
+        while self._answered and now - next(iter(self._answered.values())) > SHARED_WINDOW_S:
+            self._answered.popitem(last=False)
+        owners = self.pending.owners() | self._answered.keys()
+        shared = len(owners) > 1 or bool(self._building and owners)
+        if not shared:
+            return self.limits.max_batch_ms
+        saturated = self.pending.weight_total * (self._cost_per_char or 0.0) * 1000 > self.limits.max_batch_ms
+        if saturated and self.pending.heaviest_share() < SATURATED_SHARE:
+            return self.limits.max_batch_ms
+        return min(self.limits.max_batch_ms, self.limits.shared_batch_ms)
 
     def _cost(self, ev: Evaluation) -> float:
         """A span's estimated share of a batch's time on the model thread, in seconds."""
@@ -664,6 +694,31 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
     engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
     engine.recommender.prepare()
     return engine
+
+
+def slice_starts(tools: Sequence[Tool], most: int, cost_per_char: float | None, budget: float) -> list[int]:
+    """Where each model-thread job of a hello's new tools starts: at most `most` tools a job
+    and, once the model's cost per character is measured, about `budget` seconds of estimated
+    embedding a job (one tool at least): a hello of a few huge descriptions takes several jobs,
+    so another session's span waits for one of them, not for all."""
+    starts: list[int] = []
+    size, chars = 0, 0
+    for i, tool in enumerate(tools):
+        c = tool_chars(tool)
+        if not starts or size >= most or (cost_per_char is not None and (chars + c) * cost_per_char > budget):
+            starts.append(i)
+            size, chars = 0, 0
+        size += 1
+        chars += c
+    return starts
+
+
+def tool_chars(tool: Tool) -> int:
+    """A hello tool's size in the cost estimate: what the index embeds of it (its name and the
+    head of its description as one text, and its cases: its own, or up to MAX_CASES derived
+    ones of up to MAX_WORDS words), each text with the fixed overhead."""
+    cases = tool.cases[: cases_mod.MAX_CASES] if tool.cases else [" " * (cases_mod.MAX_WORDS * 7)] * cases_mod.MAX_CASES
+    return len(tool.name) + min(len(tool.description or ""), PRIMARY_CHARS) + sum(map(len, cases)) + COST_OVERHEAD_CHARS * (1 + len(cases))
 
 
 def span_chars(ev: Evaluation) -> int:

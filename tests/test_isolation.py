@@ -25,7 +25,9 @@ import websockets
 
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
+from sidecar.catalog import Tool
 from sidecar.metrics import MetricsStore
+from sidecar.server import SHARED_WINDOW_S, slice_starts, tool_chars
 from sidecar.store import Store
 
 from .test_hardening import metrics_of, tracebacks
@@ -179,6 +181,50 @@ def test_batches_are_bounded_in_milliseconds(small):
     # batch take exactly one span (the first span of a batch is always taken)
     assert m["sidecar_batch_size_count"] == 1 + 24
     assert m['sidecar_batch_size_bucket{le="1.0"}'] == m["sidecar_batch_size_count"]
+
+
+def test_batches_shrink_to_shared_batch_ms_while_another_connection_waits(small):
+    """A lone stream keeps big batches (throughput); once a second connection has spans
+    waiting or was just answered, each batch stops at about shared_batch_ms, so a span that
+    arrives behind it waits one short batch (issue 33)."""
+
+    async def body():
+        async with serving(small, max_batch_ms=120_000, shared_batch_ms=0.001, stale_ms=120_000, shed_ms=120_000) as srv, \
+                   await SidecarClient.connect(srv.url, session="a", decisions=True) as a:  # fmt: skip
+            await a.user("warm", "Please make a note called warm up.")  # measures the model's cost
+            await until(a, lambda m: isinstance(m, p.DecisionReport))
+            await asyncio.sleep(SHARED_WINDOW_S + 0.2)
+            before = (await metrics_of(srv))["sidecar_batch_size_count"]
+            for i in range(24):
+                await a.user(f"a{i}", f"Please make a note called alone {i}.")
+            await until(a, lambda m: isinstance(m, p.DecisionReport) and m.stream == "a23", limit=100)
+            alone = (await metrics_of(srv))["sidecar_batch_size_count"] - before
+            async with await SidecarClient.connect(srv.url, session="b", decisions=True) as b:
+                await b.user("b0", "Please make a note called beside.")
+                await until(b, lambda m: isinstance(m, p.DecisionReport))
+                before = (await metrics_of(srv))["sidecar_batch_size_count"]
+                for i in range(12):
+                    await a.user(f"s{i}", f"Please make a note called shared {i}.")
+                    await b.user(f"t{i}", f"Please make a note called together {i}.")
+                await until(a, lambda m: isinstance(m, p.DecisionReport) and m.stream == "s11", limit=100)
+                await until(b, lambda m: isinstance(m, p.DecisionReport) and m.stream == "t11", limit=100)
+                shared = (await metrics_of(srv))["sidecar_batch_size_count"] - before
+            return alone, shared
+
+    alone, shared = run(body())
+    assert alone <= 8, alone  # a lone stream's 24 spans went in a few big batches
+    assert shared == 24, shared  # two connections: a budget below one span's cost takes one span a batch
+
+
+def test_a_hello_of_huge_descriptions_is_sliced_by_estimated_work():
+    big = [Tool(name=f"big_{i}", description="x" * 5000) for i in range(4)]
+    short = [Tool(name=f"short_{i}", description="Look up one record.") for i in range(20)]
+    assert slice_starts(big + short, 8, None, 0.04) == [0, 8, 16]  # cost not measured yet: by count
+    per_char = 0.03 / tool_chars(big[0])  # one huge tool is about 30 ms of the model's time
+    starts = slice_starts(big + short, 8, per_char, 0.04)
+    assert starts[:5] == [0, 1, 2, 3, 4]  # one huge tool a job
+    assert all(b - a <= 8 for a, b in zip(starts, starts[1:] + [len(big + short)]))
+    assert slice_starts([], 8, per_char, 0.04) == []
 
 
 def _tools(n: int) -> list[dict]:

@@ -165,6 +165,22 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
+def test_pending_tells_one_flooding_connection_from_load_spread_over_many():
+    """What the server's batch size rests on: a queue one connection holds most of keeps the
+    batches short for the others; one spread over many gets big, efficient batches."""
+    q = Pending(max_pending=1000, stale_s=10.0, weight=lambda ev: ev.cost)
+    assert q.heaviest_share() == 0.0
+    for k in range(9):
+        q.put(Ev(object(), 0.0, f"f{k}", owner="flood", stream="s"))
+    q.put(Ev(object(), 0.0, "v", owner="victim", stream="v"))
+    assert q.owners() == {"flood", "victim"} and q.heaviest_share() == 0.9
+    q.take(0.0)
+    assert q.heaviest_share() == 0.0 and q.weight_total == 0
+    for c in range(10):
+        q.put(Ev(object(), 0.0, f"c{c}", owner=f"c{c}", stream="s"))
+    assert q.heaviest_share() == 0.1
+
+
 # Session -----------------------------------------------------------------------------
 
 
