@@ -73,6 +73,9 @@ class Summary(msgspec.Struct):
     lead_time_chars: dict[str, float]
     lead_time_tokens: dict[str, float]
     per_conversation: dict[str, dict[str, float]] = {}
+    # replies that called tools whose calls were injected exactly (during the reply or on the
+    # user turn it answers: nothing missing, nothing more), over the replies that called tools
+    exact_set: float = float("nan")
 
 
 def _truths(conv: Conversation) -> list[list[str]]:
@@ -242,6 +245,7 @@ def _detection(conv: Conversation, index: int, inject: Inject, at: int, truth: l
 class _Tally:
     def __init__(self) -> None:
         self.messages = self.injected = self.right = self.called = self.found = self.false_fires = 0
+        self.calling = self.exact = 0  # replies that called tools; those injected exactly
         self.lead_chars: list[float] = []
         self.lead_tokens: list[float] = []
 
@@ -255,6 +259,9 @@ class _Tally:
         if ahead is not None:
             self.called += len(set(truth))
             self.found += len(set(truth) & (set(tools) | ahead))
+            if truth:
+                self.calling += 1
+                self.exact += set(truth) == set(tools) | ahead
         self.false_fires += bool(tools) and not truth
         for d in found:
             if any(d.correct):
@@ -262,7 +269,7 @@ class _Tally:
                 self.lead_tokens.append(d.lead_tokens)
 
     def merge(self, o: _Tally) -> None:
-        for k in ("messages", "injected", "right", "called", "found", "false_fires"):
+        for k in ("messages", "injected", "right", "called", "found", "false_fires", "calling", "exact"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.lead_chars += o.lead_chars
         self.lead_tokens += o.lead_tokens
@@ -273,6 +280,7 @@ class _Tally:
             "injections": self.injected,
             "precision": _ratio(self.right, self.injected),
             "recall": _ratio(self.found, self.called),
+            "exact_set": _ratio(self.exact, self.calling),
             "false_fires": self.false_fires,
         }
 
@@ -280,7 +288,7 @@ class _Tally:
         return Summary(
             conversations=conversations, messages=self.messages, injections=self.injected,
             precision=_ratio(self.right, self.injected), recall=_ratio(self.found, self.called),
-            false_fires=self.false_fires,
+            false_fires=self.false_fires, exact_set=_ratio(self.exact, self.calling),
             lead_time_chars=percentiles(self.lead_chars, (50, 90)),
             lead_time_tokens=percentiles(self.lead_tokens, (50, 90)),
             per_conversation=per_conv,
@@ -294,11 +302,11 @@ def _ratio(n: int, d: int) -> float:
 def describe(s: Summary) -> str:
     lines = [
         f"{s.conversations} conversations, {s.messages} messages, {s.injections} tools injected",
-        f"precision {s.precision:.3f}  recall {s.recall:.3f}  false fires {s.false_fires}",
+        f"precision {s.precision:.3f}  recall {s.recall:.3f}  exact set {s.exact_set:.3f}  false fires {s.false_fires}",
         f"lead time: chars p50 {s.lead_time_chars.get('p50', float('nan')):.0f} p90 {s.lead_time_chars.get('p90', float('nan')):.0f}; "
         f"tokens p50 {s.lead_time_tokens.get('p50', float('nan')):.0f} p90 {s.lead_time_tokens.get('p90', float('nan')):.0f}",
     ]
     for cid, f in s.per_conversation.items():
         lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {f['precision']:.2f}, "
-                     f"recall {f['recall']:.2f}, false fires {f['false_fires']:.0f}")  # fmt: skip
+                     f"recall {f['recall']:.2f}, exact set {f['exact_set']:.2f}, false fires {f['false_fires']:.0f}")  # fmt: skip
     return "\n".join(lines)

@@ -81,6 +81,9 @@ def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
     assert summary.injections == len(injected)
     assert summary.precision == pytest.approx(right / len(injected))
     assert summary.recall == 1.0  # the one tool the model called was injected
+    k8s = {t for d in detections if d.conversation == "k8s" for t in d.tools}  # on the user turn and during the reply
+    assert summary.exact_set == (1.0 if k8s == {"semantic_search"} else 0.0)  # one reply called tools: exactly its call, or not
+    assert math.isnan(summary.per_conversation["chat"]["exact_set"])  # no reply there called a tool
     assert summary.per_conversation["k8s"]["injections"] == len(injected)
     assert math.isnan(summary.per_conversation["chat"]["precision"])
 
@@ -106,7 +109,7 @@ def test_cli_replay_json_and_events(tmp_path):
     assert re.search(r"replaying: +\d+%", run.stderr), run.stderr[-2000:]
     assert run.stdout.count("\n") == 1  # stdout: the summary alone
     summary = json.loads(run.stdout)
-    assert {"conversations", "messages", "injections", "precision", "recall", "false_fires", "lead_time_chars"} <= set(summary)
+    assert {"conversations", "messages", "injections", "precision", "recall", "exact_set", "false_fires", "lead_time_chars"} <= set(summary)
     assert set(summary["lead_time_chars"]) == {"p50", "p90"}
     convs = {json.loads(line)["conversation"] for f in TRANSCRIPTS for line in f.read_text().splitlines() if line.strip()}
     assert summary["conversations"] == len(convs)
