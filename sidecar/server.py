@@ -84,6 +84,7 @@ TOKEN_SLICE_CHARS = 1024
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 SHARED_WINDOW_S = 1.0  # a connection answered this recently still shares the model (shared_batch_ms)
+EVICT_SILENT_S = 1.0  # at capacity, a connection silent (no hello) this long gives its place to a newcomer
 SATURATED_SHARE = 0.5  # a queue over max_batch_ms that no connection holds this much of: big batches
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
 
@@ -118,6 +119,8 @@ class Connection:
         self.writer = asyncio.create_task(self._write())
         self._closing: asyncio.Task | None = None
         self.lost = False  # the connection closed (frames still buffered are not worked through)
+        self.opened = time.monotonic()
+        self.evicted = False  # closed to make room for a newcomer while it had not said hello
         self._watch = asyncio.ensure_future(ws.wait_closed())
         self._watch.add_done_callback(self._lost)
 
@@ -258,6 +261,7 @@ class SidecarServer:
         self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
+        self._evicting = 0  # silent connections closed to make room, not yet gone
         self._answered: OrderedDict[Session, float] = OrderedDict()  # connection -> when its last span was taken, oldest first
         self.records = Records(self)  # tool_result / feedback commits in flight
         self._busy = False
@@ -351,13 +355,32 @@ class SidecarServer:
         """Whether a new connection from `address` would pass the capacity limits: None, or
         the HTTP status and reason to refuse it with (counted in sidecar_refused_connections_total)."""
         limits = self.limits
-        if len(self.connections) >= limits.max_connections:
+        if len(self.connections) - self._evicting >= limits.max_connections and (
+            self.addresses[address] >= limits.max_connections_per_address or not self._evict_silent()
+        ):
             self.metrics.refused.labels("max_connections").inc()
             return 503, f"at most {limits.max_connections} connections"
         if self.addresses[address] >= limits.max_connections_per_address:
             self.metrics.refused.labels("per_address").inc()
             return 429, f"at most {limits.max_connections_per_address} connections from one address (server.max_connections_per_address)"
         return None
+
+    def _evict_silent(self) -> bool:
+        """At capacity, close the oldest connection that has said no `hello` for EVICT_SILENT_S
+        (1013), so a newcomer gets its place: a real client says hello as soon as it connects,
+        and silent sockets from many addresses (which no per-address limit stops) would
+        otherwise turn everyone away until `hello_timeout_s`. False when there is none."""
+        now = time.monotonic()
+        silent = (c for c in self.connections.values() if c.session.hello is None and not c.evicted and now - c.opened >= EVICT_SILENT_S)
+        oldest = min(silent, key=lambda c: c.opened, default=None)
+        if oldest is None:
+            return False
+        oldest.evicted = True
+        self._evicting += 1
+        self.metrics.timeouts.labels("evicted").inc()
+        self._tasks.append(asyncio.ensure_future(oldest.ws.close(1013, "the server is full and this connection said no hello")))
+        self._tasks = [t for t in self._tasks if not t.done()]
+        return True
 
     async def _handle(self, ws: ServerConnection) -> None:
         address = peer(ws)
@@ -393,6 +416,8 @@ class SidecarServer:
         finally:
             conn.session.closed = True
             del self.connections[conn.session]
+            if conn.evicted:
+                self._evicting -= 1
             self.addresses[address] -= 1
             if not self.addresses[address]:
                 del self.addresses[address]

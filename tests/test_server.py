@@ -32,7 +32,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
-from sidecar.server import TOKEN_SLICE_CHARS, SidecarServer
+from sidecar.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, SidecarServer
 from sidecar.store import Store
 from sidecar.stream import Segmenter
 
@@ -751,6 +751,35 @@ def test_silent_connections_are_closed_and_free_their_place(small):
 
     codes, hello, idle = run(body())
     assert codes == [1008, 1008] and hello == 2 and idle == 1
+
+
+def test_at_capacity_a_newcomer_takes_the_place_of_a_silent_connection(small):
+    """Issue 33: silent sockets from many addresses (no per-address limit stops them) took
+    every place until the hello timeout. At capacity, the oldest connection that has said no
+    hello for a second is closed (1013) and the newcomer gets its place; a connection that said
+    hello is never evicted."""
+
+    async def body():
+        async with serving(small, max_connections=2, hello_timeout_s=60) as srv:
+            silent = [await websockets.connect(srv.url) for _ in range(2)]
+            await asyncio.sleep(EVICT_SILENT_S + 0.2)
+            async with await SidecarClient.connect(srv.url, session="new") as sc:  # in, at once
+                assert sc.ready.tools
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(silent[0].recv(), WAIT_S)  # the oldest went
+                async with await SidecarClient.connect(srv.url, session="next") as sc2:  # the other silent one goes too
+                    assert sc2.ready.tools
+                    await asyncio.sleep(EVICT_SILENT_S + 0.2)
+                    with pytest.raises(InvalidStatus) as refused:  # two that said hello: no place
+                        async with websockets.connect(srv.url, open_timeout=WAIT_S):
+                            pass
+                    await sc.ping()
+                    assert isinstance(await asyncio.wait_for(sc.recv(), WAIT_S), p.Pong)
+            codes = [ws.close_code for ws in silent]
+            return codes, refused.value.response.status_code, srv.metrics.value("sidecar_connection_timeouts_total", kind="evicted")
+
+    codes, status, evicted = run(body())
+    assert codes == [1013, 1013] and status == 503 and evicted == 2
 
 
 def test_one_address_cannot_take_every_place(small):
