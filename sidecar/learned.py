@@ -201,17 +201,20 @@ class RankerFit(msgspec.Struct, frozen=True):
         return Ranker(self.weights(features, targets, offered))
 
     def weights(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None,
-                fixed: Sequence[float] = ()) -> tuple[float, ...]:  # fmt: skip
+                fixed: Sequence[float | None] = ()) -> tuple[float, ...]:  # fmt: skip
         """The weights alone, one per view given (more views than RANK_FEATURES: learning from
-        traffic adds one; an extra view starts at 0). `fixed`: the first weights, held as they
-        are (a calibration's, when only views added since are fitted: `lab/extend.py`)."""
+        traffic adds one; an extra view starts at 0). `fixed`: weights held as they are, by
+        view, None where fitted (a calibration's, when only views added since are fitted:
+        `lab/extend.py`; the action views' in a catalog's self-fit: `selffit.py`)."""
         n, tools, k = features.shape
         shut = _shut(offered)
         y = _target_mass(targets, n, tools)
         w = np.zeros(k)
-        start = tuple(fixed) or Ranker().weights[:k]
+        start = Ranker().weights[:k]
         w[: len(start)] = TEMPERATURE * np.asarray(start, np.float64)
-        free = (np.arange(k) >= len(fixed)).astype(np.float64)
+        held = np.array([j < len(fixed) and fixed[j] is not None for j in range(k)])
+        w[held] = [TEMPERATURE * float(fixed[j]) for j in np.flatnonzero(held)]  # type: ignore[arg-type]
+        free = (~held).astype(np.float64)
 
         def gradients() -> list[np.ndarray]:
             z = features @ w + shut

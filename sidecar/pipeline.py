@@ -1,4 +1,4 @@
-"""The one flow: text -> patterns -> embedding -> ranker (three or four views of every tool, blended)
+"""The one flow: text -> patterns -> embedding -> ranker (five or six views of every tool, blended)
 -> gate head (the probability that the text needs a tool) -> gate decision.
 
 The CLI, the server and replay all reach it through `Sidecar.judge`; batching lets the
