@@ -38,6 +38,7 @@ TAXONOMY: dict[str, tuple[str, str]] = {
     "search": ("retrieve", "search find query lookup locate grep seek look"),
     "compare": ("retrieve", "diff compare"),
     "download": ("retrieve", "download export"),
+    "compute": ("retrieve", "calculate compute analyze analyse estimate predict measure count detect"),  # tells, changes nothing
     "create": ("write", "create add new make write save store record generate build compose draft insert put post append raise attach "
                         "remember"),
     "schedule": ("write", "schedule book plan arrange"),
@@ -56,7 +57,7 @@ TAXONOMY: dict[str, tuple[str, str]] = {
     "merge": ("merge", "merge"),
     "switch": ("switch", "checkout switch"),
     "branch": ("branch", "branch fork clone"),
-    "run": ("run", "run execute launch start trigger invoke compute calculate"),
+    "run": ("run", "run execute launch start trigger invoke"),
     "stop": ("stop", "stop kill cancel abort terminate"),
     "navigate": ("navigate", "navigate visit"),
     "interact": ("interact", "click type press hover drag select scroll"),
@@ -90,6 +91,10 @@ _WORD = regex.compile(r"[a-z]+(?:'[a-z]+)?")
 # A leading subordinate clause sets the scene; the request follows its comma ("Before moving
 # it, I'll check the transitions").
 _LEADING_CLAUSE = regex.compile(r"^\s*(?:before|after|once|when|while|if|since|as|to|now\s+that)\b[^,]{0,80},", regex.I)
+# Sentences, and the steps of one ("..., then delete it", "... and after that send it").
+_SENTENCES = regex.compile(r"[.!?;]+(?:\s+|$)|,?\s+(?:and\s+)?(?:then|after\s+that|afterwards)\b,?", regex.I)
+# An -ing form after these is the action under way ("I'm saving it"), elsewhere often not ("in launching").
+_PROGRESSIVE = frozenset("i'm im am are is we're now currently just also first next".split())
 # A tool name's first verb that says how, not what: `start_search`, `API-post-search`.
 _AUXILIARY = frozenset("start begin try post put patch".split())
 
@@ -122,16 +127,25 @@ RETRIEVE = Action(frozenset(), frozenset({"retrieve"}))  # a question: some retr
 
 
 def of_text(text: str) -> Action:
-    """The action a request or a reply clause asks for: a wh-question retrieves; else its first
-    taxonomy verb (or -ing form: "Saving it now") among the opening words, unless used as a
-    noun, read with the next word where the two say more ("get rid of"). No past forms: "the
-    file I created" asks for no creation."""
+    """The actions a request or a reply clause asks for: each sentence's (a text that asks for
+    two things, "Find the file. Then delete it.", asks for both), `_sentence_action`."""
+    found = [a for part in _SENTENCES.split(text) if part.strip() and (a := _sentence_action(part)) != Action()]
+    if not found:
+        return Action()
+    return Action(frozenset().union(*(a.classes for a in found)), frozenset().union(*(a.families for a in found)))
+
+
+def _sentence_action(text: str) -> Action:
+    """A wh-question retrieves; else the first taxonomy verb among the opening words (or an
+    -ing form where it is the action under way: "Saving it now", "I'm saving it"), unless
+    used as a noun, read with the next word where the two say more ("get rid of"). No past
+    forms: "the file I created" asks for no creation."""
     text = _LEADING_CLAUSE.sub("", text, count=1)
     if _QUESTION.match(text):
         return RETRIEVE
     words = _WORD.findall(text.lower())[:LEADING_WORDS]
     for i, w in enumerate(words):
-        verb = lemma(w)
+        verb = w if w in VERBS else lemma(w) if i == 0 or words[i - 1] in _PROGRESSIVE else None
         after = words[i + 1] if i + 1 < len(words) else ""
         if verb is None or (i and words[i - 1] in _NOUN_AFTER) or after in _NOUN_BEFORE:
             continue

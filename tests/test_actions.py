@@ -28,12 +28,15 @@ FILE_SERVERS = [CATALOGS / f"{c}.json" for c in ("filesystem", "git", "github", 
     ("Before moving it, I'll check which folders exist.", {"read"}),  # the scene-setting clause is skipped
     ("hey, delete the old draft", {"delete"}),
     ("stage the changes in app.py", {"stage"}),
+    ("Find the old report. Then delete it.", {"search", "delete"}),  # two steps, both asked
+    ("calculate the total of these invoices", {"compute"}),  # computing tells, it changes nothing
 ])  # fmt: skip
 def test_the_leading_verb_names_the_action(text, classes):
     assert actions.of_text(text).classes == classes
 
 
-@pytest.mark.parametrize("text", ["my list of groceries is long", "the search is slow today", "email from Bob about lunch", "thanks!"])
+@pytest.mark.parametrize("text", ["my list of groceries is long", "the search is slow today", "email from Bob about lunch", "thanks!",
+                                  "thanks for saving it"])
 def test_a_verb_used_as_a_noun_names_none(text):
     assert actions.of_text(text) == actions.Action()
 
