@@ -227,6 +227,19 @@ class RankerFit(msgspec.Struct, frozen=True):
         return tuple(round(float(x) / TEMPERATURE, 5) for x in w)
 
 
+ACTION_VIEWS = ("action", "clash")
+
+
+def held_actions(base: Ranker | None, views: int) -> list[float | None]:
+    """`RankerFit.weights(fixed=...)` for a fit that keeps the action views' weights from
+    `base` (the built-in calibration's, fitted on the whole corpus) and fits the rest: a
+    catalog's own cases open with their tool's verb, a tune of a few texts or a traffic log
+    lets two binary views separate what they saw and nothing else (16 texts: gate
+    probabilities of exactly 0 and 1; BFCL live traffic: precision 7 points down)."""
+    weights = [*(base.weights if base is not None else ()), *[0.0] * len(RANK_FEATURES)]
+    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in ACTION_VIEWS else None for j in range(views)]
+
+
 def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:
     """(n, tools): each text's probability mass spread evenly over its expected tools."""
     y = np.zeros((n, tools), np.float32)

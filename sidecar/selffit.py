@@ -38,7 +38,7 @@ import numpy as np
 
 from .gate import Thresholds
 from .actions import ActionIndex
-from .learned import RANK_FEATURES, ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, logit, rank_features
+from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_actions, logit, rank_features
 
 if TYPE_CHECKING:
     from .index import ToolIndex
@@ -130,10 +130,8 @@ class SelfFit(msgspec.Struct, frozen=True):
         bm25 = np.vstack([lexical.scores(index.texts[r]) for r in rows])
         features = rank_features(cosine, bm25, cases, logits, actions.views([index.texts[r] for r in rows]))
         # The action views keep the built-in weights: a tool's cases mostly open with its own
-        # verb, so on them the views look surer than on requests (a case is left out of its
-        # cases view, not out of its tool's action).
-        first = RANK_FEATURES.index("action")
-        held = [None] * first + [*base.weights, *[0.0] * len(RANK_FEATURES)][first : len(RANK_FEATURES)]
+        # verb, so on them the views look surer than on requests.
+        held = held_actions(base, features.shape[-1])
         weights = RankerFit().weights(features, [[int(t)] for t in index.row_tool[rows]], fixed=held)
         return Ranker(weights, base.adapter)
 
