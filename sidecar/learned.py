@@ -6,7 +6,8 @@ Three small fitted pieces; the first two are saved in a calibration file:
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
   when the catalog has them, else derived ones), BM25 over name, description and parameter
   names scaled by the text's best BM25, and the `Classifier`'s log-probability where the
-  catalog has one —
+  catalog has one, and the action the text asks for against the tool's (`sidecar/actions.py`:
+  a shared action, no shared family of actions) —
   fitted with a listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.
 * `GateHead`: the probability that a text needs a tool: logistic regression (standardised,
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-RANK_FEATURES = ("cosine", "lexical", "cases", "classifier")
+RANK_FEATURES = ("cosine", "lexical", "cases", "classifier", "action", "clash")
 GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
                 "classifier_top1", "negative", "tool_k", "none_k", "gap_k", "vote_k")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
@@ -65,8 +66,8 @@ def adapt(vectors: np.ndarray, w: np.ndarray | None) -> np.ndarray:
 class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Weights over RANK_FEATURES, and the query adapter the cosine views are taken after;
     the default is plain cosine with a little BM25. A calibration written before the
-    classifier view (three weights) or the adapter still loads: a missing weight is 0, a
-    missing adapter leaves queries as they are."""
+    classifier view (three weights), the action views (four) or the adapter still loads: a
+    missing weight is 0, a missing adapter leaves queries as they are."""
 
     weights: tuple[float, ...] = (1.0, 0.1, 0.0, 0.0)
     adapter: QueryAdapter | None = None
@@ -83,12 +84,16 @@ class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return features @ w
 
 
-def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logits: np.ndarray | None = None) -> np.ndarray:
+def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logits: np.ndarray | None = None,
+                  actions: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Stack the per-tool views, (n, tools) each; BM25 scaled to the text's best, the
-    classifier's `logits` as log-probabilities over the tools given (0 without a classifier)."""
+    classifier's `logits` as log-probabilities over the tools given (0 without a classifier),
+    `actions` (n, tools, 2) the action and clash views (`actions.ActionIndex.views`; 0 without)."""
     top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
     lexical = bm25 / np.maximum(top, 1e-9)
-    return np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1).astype(np.float32)
+    views = np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1)
+    acts = np.zeros((*cosine.shape, 2), np.float32) if actions is None else actions
+    return np.concatenate([views, acts], axis=-1).astype(np.float32)
 
 
 CLASSIFIER_FLOOR = -10.0
@@ -195,25 +200,44 @@ class RankerFit(msgspec.Struct, frozen=True):
     def fit(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None) -> Ranker:
         return Ranker(self.weights(features, targets, offered))
 
-    def weights(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None) -> tuple[float, ...]:
+    def weights(self, features: np.ndarray, targets: Sequence[Sequence[int]], offered: np.ndarray | None = None,
+                fixed: Sequence[float | None] = ()) -> tuple[float, ...]:  # fmt: skip
         """The weights alone, one per view given (more views than RANK_FEATURES: learning from
-        traffic adds one; an extra view starts at 0)."""
+        traffic adds one; an extra view starts at 0). `fixed`: weights held as they are, by
+        view, None where fitted (a calibration's, when only views added since are fitted:
+        `lab/extend.py`; the action views' in a catalog's self-fit: `selffit.py`)."""
         n, tools, k = features.shape
         shut = _shut(offered)
         y = _target_mass(targets, n, tools)
         w = np.zeros(k)
         start = Ranker().weights[:k]
         w[: len(start)] = TEMPERATURE * np.asarray(start, np.float64)
+        held = np.array([j < len(fixed) and fixed[j] is not None for j in range(k)])
+        w[held] = [TEMPERATURE * float(fixed[j]) for j in np.flatnonzero(held)]  # type: ignore[arg-type]
+        free = (~held).astype(np.float64)
 
         def gradients() -> list[np.ndarray]:
             z = features @ w + shut
             z -= z.max(axis=1, keepdims=True)
             p = np.exp(z)
             p /= p.sum(axis=1, keepdims=True)
-            return [np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + self.l2 * w]
+            return [free * (np.einsum("nt,ntk->k", p - y, features) / max(n, 1) + self.l2 * w)]
 
         adam([w], gradients, self.iters, self.lr)
         return tuple(round(float(x) / TEMPERATURE, 5) for x in w)
+
+
+ACTION_VIEWS = ("action", "clash")
+
+
+def held_actions(base: Ranker | None, views: int) -> list[float | None]:
+    """`RankerFit.weights(fixed=...)` for a fit that keeps the action views' weights from
+    `base` (the built-in calibration's, fitted on the whole corpus) and fits the rest: a
+    catalog's own cases open with their tool's verb, a tune of a few texts or a traffic log
+    lets two binary views separate what they saw and nothing else (16 texts: gate
+    probabilities of exactly 0 and 1; BFCL live traffic: precision 7 points down)."""
+    weights = [*(base.weights if base is not None else ()), *[0.0] * len(RANK_FEATURES)]
+    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in ACTION_VIEWS else None for j in range(views)]
 
 
 def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The one flow: text -> patterns -> embedding -> ranker (three or four views of every tool, blended)
+"""The one flow: text -> patterns -> embedding -> ranker (five or six views of every tool, blended)
 -> gate head (the probability that the text needs a tool) -> gate decision.
 
 The CLI, the server and replay all reach it through `Sidecar.judge`; batching lets the
@@ -23,6 +23,7 @@ from . import catalog as catalog_mod
 from . import models
 from . import patterns as patterns_mod
 from . import progress as progress_mod
+from .actions import ActionIndex
 from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
@@ -142,11 +143,12 @@ class Pipeline:
                                          progress)  # fmt: skip
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
+        self.actions = ActionIndex(list(catalog))
         self.own = {}
         for key, index in built.items():
             if self.self_fit and index.classifier is not None:
                 with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
-                    own = own_fit(index, self.lexical, self.ranker, self.embedder.identity, index.names)
+                    own = own_fit(index, self.lexical, self.actions, self.ranker, self.embedder.identity, index.names)
                 if own is not None:
                     self.own[key] = own
         return built
@@ -210,7 +212,8 @@ class Pipeline:
             if learned is not None:
                 seen = learned.cases(vectors[rows], index.names, exclude_self)
                 cases = np.maximum(cases, seen)
-            features = rank_features(cosine, lex, cases, logits)
+            acts = self.actions.views([requests[i].text for i in rows])
+            features = rank_features(cosine, lex, cases, logits, acts)
             if learned is not None:
                 features = np.concatenate([features, np.maximum(seen, 0.0)[..., None]], axis=-1)
             if learned is not None and learned.weights is not None:
@@ -220,7 +223,7 @@ class Pipeline:
                 scores = (own.ranker if own else self.ranker).score(features[..., : len(RANK_FEATURES)])
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
-                               None if logits is None else logits[j : j + 1], features[j])  # fmt: skip
+                               None if logits is None else logits[j : j + 1], features[j], acts[j : j + 1])  # fmt: skip
         return out  # type: ignore[return-value]
 
     @staticmethod
@@ -380,6 +383,7 @@ class Views(msgspec.Struct):
     bm25: np.ndarray
     logits: np.ndarray | None = None  # the index's classifier, if it has one
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
+    actions: np.ndarray | None = None  # (1, tools, 2) the action and clash views (sidecar/actions.py)
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

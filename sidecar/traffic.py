@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from .gate import Thresholds
-from .learned import RankerFit, fit_logistic, logit
+from .learned import RankerFit, fit_logistic, held_actions, logit
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -372,7 +372,9 @@ class TrafficFit(msgspec.Struct, frozen=True):
             return None
         views = with_lesson(pipeline, seen).views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
         features = np.stack([v.features for v in views])
-        w = RankerFit().weights(features, [[column[truth[i]]] for i in rows])
+        own = pipeline.own_for("user")  # the action views keep the weights of the ranker in force
+        held = held_actions(own.ranker if own else pipeline.ranker, features.shape[-1])
+        w = RankerFit().weights(features, [[column[truth[i]]] for i in rows], fixed=held)
         return np.asarray(w, np.float32)
 
 

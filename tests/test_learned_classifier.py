@@ -89,9 +89,9 @@ def test_a_calibration_from_before_the_classifier_still_loads_and_scores_the_sam
     doc = json.loads(msgspec.json.encode(old))
     assert msgspec.json.decode(json.dumps(doc), type=learned.Ranker) == old
     with pytest.raises(msgspec.ValidationError, match="weights"):
-        msgspec.json.decode(json.dumps({"weights": [1, 0, 0, 0, 0]}), type=learned.Ranker)
-    builtin = calibration.builtin(models.SMALL_MODEL)  # refitted since: four weights, twelve scalars, an adapter
-    assert len(builtin.ranker.weights) == 4 and "classifier_top1" in builtin.head.features and builtin.ranker.adapter is not None
+        msgspec.json.decode(json.dumps({"weights": [1, 0, 0, 0, 0, 0, 0]}), type=learned.Ranker)
+    builtin = calibration.builtin(models.SMALL_MODEL)  # refitted since: six weights (the action views'), twelve scalars, an adapter
+    assert len(builtin.ranker.weights) == len(learned.RANK_FEATURES) and "classifier_top1" in builtin.head.features and builtin.ranker.adapter is not None
 
 
 def test_fit_classifier_separates_clusters_with_standardisation_folded_in():

@@ -59,6 +59,7 @@ def test_an_intent_catalog_fits_its_own_gate_and_ranker(fitted):
     assert own.rows == sum(len(c) for c in INTENTS.values())
     assert own.ranker.weights != builtin(models.SMALL_MODEL).ranker.weights
     assert own.ranker.weights[3] > 0  # the classifier view counts (the built-in ranker gives it no weight)
+    assert own.ranker.weights[4:] == builtin(models.SMALL_MODEL).ranker.weights[4:]  # the action views' are held (cases open with their tool's verb)
     right = [d.fired and d.tool == want for d, (_, want) in zip(fitted.detect_batch([pipeline.Request(t) for t, _ in HELD_BACK]).decisions, HELD_BACK)]
     assert sum(right) >= 4, right  # paraphrases none of the cases: fired, with the right intent
     assert not any(d.fired for d in fitted.detect_batch([pipeline.Request(t) for t in CHIT_CHAT]).decisions)
@@ -84,5 +85,5 @@ def test_a_catalog_without_own_cases_keeps_the_built_in_calibration(tmp_path):
 def test_a_catalog_past_the_tool_limit_keeps_the_built_in_calibration(fitted):
     index = fitted.index_for("user")
     small = selffit.SelfFit(max_tools=len(index.names) - 1)
-    assert selffit.own_fit(index, fitted.lexical, fitted.ranker, "m", index.names, small) is None
-    assert selffit.own_fit(index, fitted.lexical, fitted.ranker, "m", index.names) is not None
+    assert selffit.own_fit(index, fitted.lexical, fitted.actions, fitted.ranker, "m", index.names, small) is None
+    assert selffit.own_fit(index, fitted.lexical, fitted.actions, fitted.ranker, "m", index.names) is not None

@@ -23,7 +23,7 @@ from .evaluate import Labeled, auroc, baselines, description_vectors, gate_repor
 from ..gate import PathKind, Thresholds, fires, route
 from ..index import embed_cached, wants_classifier
 from ..learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
-                       match, rank_features)
+                       held_actions, match, rank_features)
 from ..lexical import LexicalIndex
 from ..pipeline import Pipeline, Request, Views, from_config
 from ..store import Store
@@ -258,7 +258,7 @@ def fit(
     # thresholds chosen on them let through less than they promise.
     offers = Offers(pipe, fit_items)
     plain = offers.views(pipe.views(requests, q))  # the default ranker's (no adapter): the views every ranker is fitted on
-    features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits)[0]) for k, v in enumerate(plain)])
+    features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits, v.actions)[0]) for k, v in enumerate(plain)])
     position = {n: k for k, n in enumerate(offers.names)}
     targets = [[position[t] for t in i.expected] for i in fit_items]
     folds = _folds(fit_items, [offers.best_tool(k, v) for k, v in enumerate(plain)], seed)
@@ -457,7 +457,8 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     index = pipe.index_for("user")
     feats, wanted = features[rows], [targets[k] for k in rows]
     shown = None if offered is None else offered[rows]
-    ranker = RankerFit().fit(feats, wanted, offered=shown)
+    held = held_actions(builtin(pipe.embedder.name).ranker if builtin(pipe.embedder.name) else None, feats.shape[-1])
+    ranker = Ranker(RankerFit().weights(feats, wanted, shown, fixed=held))  # the action views' weights are the built-in's
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
     adapter = AdapterFit().fit(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
@@ -526,7 +527,9 @@ class Offers:
         cosine, cases = v.cosine[:, mask], v.cases[:, mask]
         bm25 = self._lexicals[key].scores(text)[None, :] if mask.any() else np.zeros((1, 0), np.float32)
         logits = None if v.logits is None else v.logits[:, mask]  # renormalised over these tools by rank_features
-        return Views(v.index, self.pipe.ranker.score(rank_features(cosine, bm25, cases, logits)), cosine, cases, bm25, logits)
+        acts = None if v.actions is None else v.actions[:, mask]
+        return Views(v.index, self.pipe.ranker.score(rank_features(cosine, bm25, cases, logits, acts)), cosine, cases, bm25, logits,
+                     actions=acts)  # fmt: skip
 
     def widen(self, k: int, row: np.ndarray) -> np.ndarray:
         """Text k's per-tool rows over its own tools, placed at their catalog positions (zeros elsewhere)."""
@@ -635,7 +638,7 @@ def describe(f: Fitted) -> str:
     c, t, h, r = f.calibration, f.calibration.thresholds, f.heldout, f.calibration.ranker
     return "\n".join([
         f"{c.model}{' +task-prefixes' if c.task_prefixes else ''}: fitted on {f.fit_items} items in {f.seconds:.0f} s, objective {f.objective}",
-        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier"), r.weights))
+        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier", "action", "clash"), r.weights))
         + (", after a query adapter" if r.adapter is not None else ""),
         f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
         f"  out-of-fold on the fit part (each text against the catalog and against a part of it): TP {f.fit.tp_rate:.1%}, "
