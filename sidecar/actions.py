@@ -73,12 +73,11 @@ PHRASES: dict[tuple[str, str], str] = {
 }
 CLASSES = tuple(TAXONOMY)
 FAMILIES = tuple(dict.fromkeys(f for f, _ in TAXONOMY.values()))
-VERBS: dict[str, frozenset[str]] = {}
-for _cls, (_family, _verbs) in TAXONOMY.items():
-    for _v in _verbs.split():
-        VERBS[_v] = VERBS.get(_v, frozenset()) | {_cls}
-
 VERBS_OF = {c: frozenset(v.split()) for c, (_, v) in TAXONOMY.items()}
+VERBS: dict[str, frozenset[str]] = {}  # verb -> its classes
+for _cls, _verbs in VERBS_OF.items():
+    for _v in _verbs:
+        VERBS[_v] = VERBS.get(_v, frozenset()) | {_cls}
 LEADING_WORDS = 8  # a text's action is a verb among its opening words
 # A taxonomy word right after these is a noun ("my list", "the search", "a new note").
 _NOUN_AFTER = frozenset("a an the my your our their his her its this that these those each every any some no of".split())
@@ -118,9 +117,12 @@ class Action(msgspec.Struct, frozen=True):
     families: frozenset[str] = frozenset()
 
     @classmethod
-    def of_verbs(cls, verbs: Sequence[str]) -> Action:
-        classes = frozenset().union(*(VERBS.get(v, frozenset()) for v in verbs))
+    def of_classes(cls, classes: frozenset[str]) -> Action:
         return cls(classes, frozenset(TAXONOMY[c][0] for c in classes))
+
+    @classmethod
+    def of_verbs(cls, verbs: Sequence[str]) -> Action:
+        return cls.of_classes(frozenset().union(*(VERBS.get(v, frozenset()) for v in verbs)))
 
 
 RETRIEVE = Action(frozenset(), frozenset({"retrieve"}))  # a question: some retrieval, which one unsaid
@@ -150,7 +152,7 @@ def _sentence_action(text: str) -> Action:
         if verb is None or (i and words[i - 1] in _NOUN_AFTER) or after in _NOUN_BEFORE:
             continue
         if (phrase := PHRASES.get((verb, after))) is not None:
-            return Action(frozenset({phrase}), frozenset({TAXONOMY[phrase][0]}))
+            return Action.of_classes(frozenset({phrase}))
         return Action.of_verbs([verb])
     return Action()
 

@@ -742,8 +742,11 @@ def tool_chars(tool: Tool) -> int:
     """A hello tool's size in the cost estimate: what the index embeds of it (its name and the
     head of its description as one text, and its cases: its own, or up to MAX_CASES derived
     ones of up to MAX_WORDS words), each text with the fixed overhead."""
-    cases = tool.cases[: cases_mod.MAX_CASES] if tool.cases else [" " * (cases_mod.MAX_WORDS * 7)] * cases_mod.MAX_CASES
-    return len(tool.name) + min(len(tool.description or ""), PRIMARY_CHARS) + sum(map(len, cases)) + COST_OVERHEAD_CHARS * (1 + len(cases))
+    if tool.cases:
+        cases, case_chars = len(tool.cases[: cases_mod.MAX_CASES]), sum(map(len, tool.cases[: cases_mod.MAX_CASES]))
+    else:  # derived: about 7 characters a word
+        cases, case_chars = cases_mod.MAX_CASES, cases_mod.MAX_CASES * cases_mod.MAX_WORDS * 7
+    return len(tool.name) + min(len(tool.description or ""), PRIMARY_CHARS) + case_chars + COST_OVERHEAD_CHARS * (1 + cases)
 
 
 def span_chars(ev: Evaluation) -> int:

@@ -42,11 +42,16 @@ class AddedFit(msgspec.Struct, frozen=True):
     n: int
 
 
-def top1(features: np.ndarray, targets: Sequence[Sequence[int]], weights: Sequence[float]) -> float:
+def hits(features: np.ndarray, targets: Sequence[Sequence[int]], weights: Sequence[float]) -> np.ndarray:
+    """Per text, whether `weights` rank one of its expected tools first (missing weights 0)."""
     w = np.zeros(features.shape[-1])
     w[: len(weights)] = weights
     best = np.argmax(features @ w, axis=1)
-    return float(np.mean([b in t for b, t in zip(best, targets)])) if len(targets) else float("nan")
+    return np.array([b in t for b, t in zip(best, targets)], bool)
+
+
+def top1(features: np.ndarray, targets: Sequence[Sequence[int]], weights: Sequence[float]) -> float:
+    return float(hits(features, targets, weights).mean()) if len(targets) else float("nan")
 
 
 def fit_added(features: np.ndarray, targets: Sequence[Sequence[int]], base: Sequence[float], folds: np.ndarray) -> AddedFit:
@@ -59,8 +64,7 @@ def fit_added(features: np.ndarray, targets: Sequence[Sequence[int]], base: Sequ
             continue
         w = RankerFit().weights(features[train], [targets[k] for k in train], fixed=base)
         fold_weights.append(w)
-        best = np.argmax(features[test] @ np.asarray(w), axis=1)
-        oof[test] = [b in targets[k] for b, k in zip(best, test)]
+        oof[test] = hits(features[test], [targets[k] for k in test], w)
     weights = RankerFit().weights(features, targets, fixed=base)
     return AddedFit(weights, top1(features, targets, base), float(oof.mean()), fold_weights, len(targets))
 

@@ -457,7 +457,8 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     index = pipe.index_for("user")
     feats, wanted = features[rows], [targets[k] for k in rows]
     shown = None if offered is None else offered[rows]
-    held = held_actions(builtin(pipe.embedder.name).ranker if builtin(pipe.embedder.name) else None, feats.shape[-1])
+    base = builtin(pipe.embedder.name)
+    held = held_actions(base.ranker if base is not None else None, feats.shape[-1])
     ranker = Ranker(RankerFit().weights(feats, wanted, shown, fixed=held))  # the action views' weights are the built-in's
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
