@@ -6,8 +6,9 @@ Three small fitted pieces; the first two are saved in a calibration file:
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
   when the catalog has them, else derived ones), BM25 over name, description and parameter
   names scaled by the text's best BM25, and the `Classifier`'s log-probability where the
-  catalog has one, and the action the text asks for against the tool's (`sidecar/actions.py`:
-  a shared action, no shared family of actions) —
+  catalog has one, the action the text asks for against the tool's (`sidecar/actions.py`:
+  a shared action, no shared family of actions), and the share of the things the text names
+  (a file, a time, an address...) that the tool's parameters take (`sidecar/arguments.py`) —
   fitted with a listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.
 * `GateHead`: the probability that a text needs a tool: logistic regression (standardised,
@@ -32,7 +33,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-RANK_FEATURES = ("cosine", "lexical", "cases", "classifier", "action", "clash")
+RANK_FEATURES = ("cosine", "lexical", "cases", "classifier", "action", "clash", "argument")
 GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
                 "classifier_top1", "negative", "tool_k", "none_k", "gap_k", "vote_k")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
@@ -88,11 +89,12 @@ def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logit
                   actions: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Stack the per-tool views, (n, tools) each; BM25 scaled to the text's best, the
     classifier's `logits` as log-probabilities over the tools given (0 without a classifier),
-    `actions` (n, tools, 2) the action and clash views (`actions.ActionIndex.views`; 0 without)."""
+    `actions` (n, tools, 3) the views read from words: action, clash and argument
+    (`arguments.SymbolicIndex.views`; 0 without)."""
     top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
     lexical = bm25 / np.maximum(top, 1e-9)
     views = np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1)
-    acts = np.zeros((*cosine.shape, 2), np.float32) if actions is None else actions
+    acts = np.zeros((*cosine.shape, 3), np.float32) if actions is None else actions
     return np.concatenate([views, acts], axis=-1).astype(np.float32)
 
 
@@ -227,17 +229,18 @@ class RankerFit(msgspec.Struct, frozen=True):
         return tuple(round(float(x) / TEMPERATURE, 5) for x in w)
 
 
-ACTION_VIEWS = ("action", "clash")
+SYMBOLIC_VIEWS = ("action", "clash", "argument")  # read from words, not embeddings (`arguments.SymbolicIndex`)
 
 
-def held_actions(base: Ranker | None, views: int) -> list[float | None]:
-    """`RankerFit.weights(fixed=...)` for a fit that keeps the action views' weights from
+def held_symbolic(base: Ranker | None, views: int) -> list[float | None]:
+    """`RankerFit.weights(fixed=...)` for a fit that keeps the SYMBOLIC_VIEWS' weights from
     `base` (the built-in calibration's, fitted on the whole corpus) and fits the rest: a
     catalog's own cases open with their tool's verb, a tune of a few texts or a traffic log
-    lets two binary views separate what they saw and nothing else (16 texts: gate
-    probabilities of exactly 0 and 1; BFCL live traffic: precision 7 points down)."""
+    lets a few sparse views separate what they saw and nothing else (the action views
+    refitted on 16 texts: gate probabilities of exactly 0 and 1; on BFCL live traffic:
+    precision 7 points down)."""
     weights = [*(base.weights if base is not None else ()), *[0.0] * len(RANK_FEATURES)]
-    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in ACTION_VIEWS else None for j in range(views)]
+    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in SYMBOLIC_VIEWS else None for j in range(views)]
 
 
 def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:

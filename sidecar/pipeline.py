@@ -23,7 +23,7 @@ from . import catalog as catalog_mod
 from . import models
 from . import patterns as patterns_mod
 from . import progress as progress_mod
-from .actions import ActionIndex
+from .arguments import SymbolicIndex
 from .cases import Strategy
 from .catalog import Catalog
 from .config import Config
@@ -143,7 +143,7 @@ class Pipeline:
                                          progress)  # fmt: skip
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
-        self.actions = ActionIndex(list(catalog))
+        self.actions = SymbolicIndex(list(catalog))
         self.own = {}
         for key, index in built.items():
             if self.self_fit and index.classifier is not None:
@@ -383,7 +383,7 @@ class Views(msgspec.Struct):
     bm25: np.ndarray
     logits: np.ndarray | None = None  # the index's classifier, if it has one
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
-    actions: np.ndarray | None = None  # (1, tools, 2) the action and clash views (sidecar/actions.py)
+    actions: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

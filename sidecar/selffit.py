@@ -37,8 +37,8 @@ import msgspec
 import numpy as np
 
 from .gate import Thresholds
-from .actions import ActionIndex
-from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_actions, logit, rank_features
+from .arguments import SymbolicIndex
+from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_symbolic, logit, rank_features
 
 if TYPE_CHECKING:
     from .index import ToolIndex
@@ -78,7 +78,7 @@ class SelfFit(msgspec.Struct, frozen=True):
     classifier: ClassifierFit = msgspec.field(default_factory=ClassifierFit)
     seed: int = 0
 
-    def fit(self, index: ToolIndex, lexical: LexicalIndex, actions: ActionIndex, base: Ranker) -> OwnFit:
+    def fit(self, index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker) -> OwnFit:
         t0 = time.perf_counter()
         rng = np.random.default_rng(self.seed)
         x, y, tools = index.matrix, index.row_tool, len(index.names)
@@ -116,7 +116,7 @@ class SelfFit(msgspec.Struct, frozen=True):
             out[held] = best_probability(clf.logits(x[held]))
         return out
 
-    def _ranker(self, index: ToolIndex, lexical: LexicalIndex, actions: ActionIndex, base: Ranker, rows: np.ndarray, logits: np.ndarray) -> Ranker:
+    def _ranker(self, index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker, rows: np.ndarray, logits: np.ndarray) -> Ranker:
         """View weights fitted on the sampled cases: cosine, BM25, nearest other case of each
         tool, the classifier's out-of-fold log-probabilities and the action views; the built-in
         adapter kept."""
@@ -131,7 +131,7 @@ class SelfFit(msgspec.Struct, frozen=True):
         features = rank_features(cosine, bm25, cases, logits, actions.views([index.texts[r] for r in rows]))
         # The action views keep the built-in weights: a tool's cases mostly open with its own
         # verb, so on them the views look surer than on requests.
-        held = held_actions(base, features.shape[-1])
+        held = held_symbolic(base, features.shape[-1])
         weights = RankerFit().weights(features, [[int(t)] for t in index.row_tool[rows]], fixed=held)
         return Ranker(weights, base.adapter)
 
@@ -166,7 +166,7 @@ def _precision(p_in: np.ndarray, p_out: np.ndarray, cut: float) -> float:
 _fits: dict[tuple, OwnFit] = {}  # the last few, by model and catalog content (a reindex of an unchanged catalog refits nothing)
 
 
-def own_fit(index: ToolIndex, lexical: LexicalIndex, actions: ActionIndex, base: Ranker, model: str, names: Sequence[str],
+def own_fit(index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker, model: str, names: Sequence[str],
             fit: SelfFit = SelfFit()) -> OwnFit | None:  # fmt: skip
     """`fit.fit`, memoised by model, index content and base ranker; None for a catalog of more
     than `fit.max_tools` tools (it keeps the built-in calibration)."""

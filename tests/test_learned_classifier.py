@@ -89,8 +89,8 @@ def test_a_calibration_from_before_the_classifier_still_loads_and_scores_the_sam
     doc = json.loads(msgspec.json.encode(old))
     assert msgspec.json.decode(json.dumps(doc), type=learned.Ranker) == old
     with pytest.raises(msgspec.ValidationError, match="weights"):
-        msgspec.json.decode(json.dumps({"weights": [1, 0, 0, 0, 0, 0, 0]}), type=learned.Ranker)
-    builtin = calibration.builtin(models.SMALL_MODEL)  # refitted since: six weights (the action views'), twelve scalars, an adapter
+        msgspec.json.decode(json.dumps({"weights": [1] + [0] * len(learned.RANK_FEATURES)}), type=learned.Ranker)
+    builtin = calibration.builtin(models.SMALL_MODEL)  # refitted since: a weight per view (the action and argument views'), twelve scalars, an adapter
     assert len(builtin.ranker.weights) == len(learned.RANK_FEATURES) and "classifier_top1" in builtin.head.features and builtin.ranker.adapter is not None
 
 

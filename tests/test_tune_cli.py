@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sidecar import calibration, models
+from sidecar import calibration, learned, models
 from tests.conftest import CATALOGS, ROOT
 
 NOTES = str(CATALOGS / "notes.json")
@@ -118,7 +118,7 @@ def test_tune_writes_a_calibration_that_detect_uses(labeled, tmp_path):
     out = json.loads(run.stdout)
     assert out["objective"] == "balanced"
     assert out["fit"]["tp_rate"] > out["fit"]["fp_rate"]  # out of fold: texts the head never saw
-    assert len(out["ranker"]["weights"]) == 6 and out["ranker"]["weights"][3] == 0  # no own cases: no classifier view (six: the action views too)
+    assert len(out["ranker"]["weights"]) == len(learned.RANK_FEATURES) and out["ranker"]["weights"][3] == 0  # no own cases: no classifier view
     # the model has a built-in calibration: three starts tried out of fold, the best one kept
     assert list(out["starts"]) == ["none", "exemplars", "head"] and out["starts"][out["start"]] == max(out["starts"].values())
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

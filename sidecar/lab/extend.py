@@ -1,6 +1,6 @@
 """Fitting the ranker's views added after a calibration was fitted, its own weights held.
 
-A new view (the action views, `sidecar/actions.py`) gets weight 0 from a calibration fitted
+A new view (the action views, `sidecar/actions.py`; the argument view, `sidecar/arguments.py`) gets weight 0 from a calibration fitted
 before it. Refitting the whole calibration moves everything at once (the adapter, the gate
 head, the thresholds) and takes the better part of an hour per model on two shared cores;
 this fits only the added weights, by the same listwise softmax (`RankerFit`, `fixed`), on
@@ -69,7 +69,7 @@ def fit_added(features: np.ndarray, targets: Sequence[Sequence[int]], base: Sequ
     return AddedFit(weights, top1(features, targets, base), float(oof.mean()), fold_weights, len(targets))
 
 
-ADDED = ("action", "clash")  # the views added since the built-in calibrations were fitted
+ADDED = ("argument",)  # the views added since the built-in calibrations' weights were last fitted (action, clash: before)
 
 
 def fit_on(items: Sequence[Labeled], cfg: Config, catalog: catalog_mod.Catalog, added: Sequence[str] = ADDED) -> AddedFit:
