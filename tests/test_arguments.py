@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from sidecar import arguments, calibration, learned, models, pipeline
