@@ -19,6 +19,7 @@ VERSION = 2  # protocol version: sent in `ready`, checked against `hello.version
 VERSIONS = (1, 2)
 MAX_REF_CHARS = 128  # a ref is a correlation id, stored with the call: not a payload
 MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels deep)
+TOO_DEEP = f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} levels"
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
 # hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
@@ -223,7 +224,7 @@ class _Envelope(msgspec.Struct):
 _envelope = msgspec.json.Decoder(_Envelope)
 _ref = msgspec.json.Decoder(Ref)
 _type = msgspec.json.Decoder(str)
-_json = msgspec.json.Decoder()  # any JSON: tells a truncated array from a valid non-object
+_json = msgspec.json.Decoder(msgspec.Raw)  # any JSON, validated and not built: tells a truncated array from a valid non-object
 
 # What decoding untrusted bytes can raise besides msgspec's own errors: invalid UTF-8 inside a
 # JSON string (UnicodeDecodeError, a ValueError) and nesting deeper than the recursion limit.
@@ -259,12 +260,13 @@ def decode_client(frame: str | bytes) -> ClientMessage:
             frame = bytes(frame).decode("utf-8")  # a binary frame: the text-frame rule, checked here
         except UnicodeDecodeError as e:
             raise ProtocolError("bad_json", f"malformed JSON: not valid UTF-8 at byte {e.start}") from None
-    if too_deep(frame):
-        raise ProtocolError("bad_json", f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} levels")
     try:
-        return _client.decode(frame)
+        msg = _client.decode(frame)
     except _DECODE_FAILURES as e:
         raise _explain(frame, e) from None
+    if too_deep(frame):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
+        raise ProtocolError("bad_json", TOO_DEEP)
+    return msg
 
 
 # Regexes and tables of too_deep: no pattern there backtracks, and the one that matches runs
@@ -279,9 +281,11 @@ _SQUARE = bytes.maketrans(b"{}", b"[]")
 
 def too_deep(frame: str) -> bool:
     """Whether a JSON text nests deeper than MAX_DEPTH, or its brackets (outside strings) do
-    not balance. A fixed limit, checked before decoding, answers alike whatever the caller's
-    stack: decoders that recurse fail near the interpreter's recursion limit, which depends
-    on it. Linear, in C-speed string operations with few matches: escapes go by two replaces
+    not balance. A fixed limit: msgspec fails by itself only near the interpreter's recursion
+    limit, which depends on the caller's stack (then the same error is given). Checked after a
+    frame decoded as a message, so the frames that are none (`"[" * 65` and a megabyte of
+    quotes: 6 ms a frame of the event loop's when this ran first) fail at their first bytes in
+    msgspec instead. Linear, in C-speed string operations with few matches: escapes go by two replaces
     (pairs of backslashes, then escaped quotes), everything but brackets and quotes by one
     bytes.translate, adjacent quotes in pairs (which keeps every other character inside or
     outside its string), and only then the strings left, each holding a bracket; then each
@@ -313,20 +317,25 @@ def decode_server(frame: str | bytes) -> ServerMessage:
 
 def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
     """Turn msgspec's error into one of: bad_json, bad_message, unknown_type, missing_field,
-    invalid_field. Only failed frames pay for this second look."""
+    invalid_field. Only failed frames pay for this second look. msgspec recurses: where it
+    gives up depends on the caller's stack, so a well-formed frame is scanned for depth
+    (`too_deep`) and anything deeper than MAX_DEPTH is bad_json whichever way it failed; a
+    malformed frame, most attacks among them, fails at its first bad byte, unscanned."""
     if isinstance(err, RecursionError):
-        return ProtocolError("bad_json", "malformed JSON: nested too deeply")
+        return ProtocolError("bad_json", TOO_DEEP)
     try:
         env = _envelope.decode(frame)
     except msgspec.ValidationError:  # (a subclass of DecodeError) well-formed so far, not an object
         return _not_an_object(frame)
     except RecursionError:
-        return ProtocolError("bad_json", "malformed JSON: nested too deeply")
+        return ProtocolError("bad_json", TOO_DEEP)
     except (msgspec.DecodeError, ValueError) as e:
         text = frame if isinstance(frame, str) else bytes(frame).decode("utf-8", "replace")
         if "truncated" in str(e) and _LONE_SURROGATE.search(text):  # msgspec says "truncated" of a lone surrogate escape
             return ProtocolError("bad_json", "malformed JSON: a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair) is no character")
         return ProtocolError("bad_json", f"malformed JSON: {e}")
+    if too_deep(frame):  # well-formed, so scanned: deep or not, the same answer whatever the caller's stack
+        return ProtocolError("bad_json", TOO_DEEP)
     ref = _ref_of(env.ref)
     if not env.type:
         return ProtocolError("missing_field", 'message has no "type" field', ref)
@@ -347,8 +356,12 @@ def _not_an_object(frame: str | bytes) -> ProtocolError:
     (`[1,2`: the envelope gave up at the first token, before the truncation)."""
     try:
         _json.decode(frame)
-    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+    except RecursionError:
+        return ProtocolError("bad_json", TOO_DEEP)
+    except (msgspec.DecodeError, ValueError) as e:
         return ProtocolError("bad_json", f"malformed JSON: {_short(str(e), quote=False)}")
+    if too_deep(frame if isinstance(frame, str) else bytes(frame).decode("utf-8")):
+        return ProtocolError("bad_json", TOO_DEEP)
     return ProtocolError("bad_message", 'a message is a JSON object with a "type" field')
 
 

@@ -31,6 +31,39 @@ def test_the_nesting_check_is_linear_on_runs_of_escaped_quotes():
     assert p.too_deep('{"a": "x\\"' + "[" * 70 + "]" * 70 + '"}') is False  # and these are inside it
 
 
+def test_a_frame_that_is_no_message_fails_at_its_first_bad_byte_unscanned():
+    """The nesting attack, a megabyte of quotes after 65 brackets, fails in msgspec at byte 66
+    (its error names the byte) instead of being scanned first: 6 ms of the event loop's a frame
+    when the scan came first (bench/attacks.py, docs/benchmarks.md)."""
+    for frame in ("[" * 65 + '"' * (1 << 20), "[" * 65 + '\\"' * (1 << 19)):
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode_client(frame)
+        assert e.value.code == "bad_json" and "(byte 6" in e.value.message and e.value.message != p.TOO_DEEP
+
+
+@pytest.mark.parametrize("frame", [
+    '{"type":"hello","session":"x","tools":' + "[" * 2142 + "]" * 2142 + "}",  # well-formed, deep in a field of the wrong type
+    '{"type":"hello","session":"x","tools":' + "[" * 70 + "]" * 70 + "}",
+    "[" * 3000 + "]" * 3000,  # well-formed, no object
+    '{"type":"ping","x":' + "[" * 900 + "]" * 900 + "}",  # a valid message with a deep extra field
+])  # fmt: skip
+def test_a_deep_frame_gets_the_same_answer_whatever_the_callers_stack(frame):
+    """msgspec gives up where the interpreter's recursion limit is near, which depends on the
+    caller's stack (the fuzz test's process and the server's differ): every frame deeper than
+    MAX_DEPTH is bad_json however deep the call."""
+
+    def answer(stack: int) -> str:
+        if stack:
+            return answer(stack - 1)
+        try:
+            p.decode_client(frame)
+        except p.ProtocolError as e:
+            return e.code
+        return "ok"
+
+    assert {answer(n) for n in (0, 300, 600, 850)} == {"bad_json"}
+
+
 def _depth(value) -> int:
     """The nesting of a decoded JSON value, as the protocol counts it (a scalar: 0)."""
     if isinstance(value, list):
