@@ -86,6 +86,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # is noticed only once what was read ahead is worked through (reading paused, the kernel
     # does not report the close).
     read_ahead_frames: int = 2
+    # The event loop's fair share: each connection's frames are read at this many characters a
+    # second on average, in bursts of up to twice max_frame_bytes; a connection past it is not
+    # read until its budget refills (its frames wait in its socket, and the kernel holds back
+    # its sender). A megabyte frame costs the event loop a few milliseconds however it fails.
+    read_chars_per_s: int = 1 << 20
     max_stream_chars: int = 512  # text buffered per stream; a longer clause is judged and cut
     max_streams: int = 64  # open streams per connection
     closed_streams: int = 32  # ended streams a connection remembers (which tools each got), ~0.5 KB each
@@ -162,7 +167,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "read_ahead_frames", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
+        positive = ("max_frame_bytes", "read_ahead_frames", "read_chars_per_s", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
                     "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:

@@ -79,14 +79,32 @@ log = logging.getLogger("sidecar.server")
 # A token frame is segmented this many characters at a time, each slice waiting for the
 # connection's quota of queued spans and then serving the event loop: 1 MiB of "abc\n"
 # (262,144 clauses) held every client's pings for 53.8 s (issue 33); in slices of 4,096 with no
-# quota between them, 1 MB of it still held the loop 25 ms a slice, 5.6 s in all.
-TOKEN_SLICE_CHARS = 1024
+# quota between them, 1 MB of it still held the loop 25 ms a slice, 5.6 s in all; in slices of
+# 1,024, about 10 ms a slice (256 clauses of 34 us each, most of it their words' tokenizing),
+# which made the victim's pings 9x their idle p99; 256 take about 2.5 ms.
+TOKEN_SLICE_CHARS = 256
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 SHARED_WINDOW_S = 1.0  # a connection answered this recently still shares the model (shared_batch_ms)
 EVICT_SILENT_S = 1.0  # at capacity, a connection silent (no hello) this long gives its place to a newcomer
 SATURATED_SHARE = 0.5  # a queue over max_batch_ms that no connection holds this much of: big batches
 ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the call log is due
+
+
+class ReadBudget:
+    """A token bucket of characters: how long a connection's next read must wait so that it
+    is read at `rate` characters a second on average, `burst` at once. Sans-I/O: the caller
+    gives the clock."""
+
+    def __init__(self, rate: float, burst: float, now: float):
+        self.rate, self.burst = rate, burst
+        self.left, self.at = burst, now
+
+    def charge(self, chars: int, now: float) -> float:
+        """Spend `chars`; the seconds to wait before reading more (0: none)."""
+        self.left = min(self.burst, self.left + (now - self.at) * self.rate) - chars
+        self.at = now
+        return 0.0 if self.left >= 0 else -self.left / self.rate
 
 
 class Connection:
@@ -120,6 +138,7 @@ class Connection:
         self._closing: asyncio.Task | None = None
         self.lost = False  # the connection closed (frames still buffered are not worked through)
         self.opened = time.monotonic()
+        self.budget = ReadBudget(limits.read_chars_per_s, 2 * limits.max_frame_bytes, self.opened)
         self.evicted = False  # closed to make room for a newcomer while it had not said hello
         self._watch = asyncio.ensure_future(ws.wait_closed())
         self._watch.add_done_callback(self._lost)
@@ -411,6 +430,9 @@ class SidecarServer:
                 await self._on_frame(conn, frame)
                 await conn.room()
                 await asyncio.sleep(0)  # the event loop's fair share: one frame, then every other ready connection's turn
+                if (wait := conn.budget.charge(len(frame), time.monotonic())) > 0:  # ... and no more than read_chars_per_s
+                    self.metrics.throttled.inc(wait)
+                    await asyncio.sleep(wait)
         except ConnectionClosed:
             pass  # e.g. 1009 for an oversized frame: websockets already closed it
         finally:

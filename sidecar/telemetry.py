@@ -43,6 +43,8 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.batch = Histogram("sidecar_batch_size", "Evaluations judged per model call.", buckets=BATCH_BUCKETS, registry=r)
         self.errors = Counter("sidecar_errors", "error messages sent, by code.", ("code",), registry=r)
+        self.throttled = Counter("sidecar_read_throttled_seconds", "Time connections were not read for sending more than "
+                                 "read_chars_per_s.", registry=r)  # fmt: skip
         self.timeouts = Counter("sidecar_connection_timeouts", "Connections closed for silence: no hello in time, or idle.", ("kind",), registry=r)
         self.refused = Counter("sidecar_refused_connections", "Connections refused for capacity: max_connections, or "
                                "max_connections_per_address from one peer address.", ("reason",), registry=r)  # fmt: skip

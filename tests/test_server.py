@@ -32,7 +32,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
-from sidecar.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, SidecarServer
+from sidecar.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
 from sidecar.store import Store
 from sidecar.stream import Segmenter
 
@@ -840,8 +840,9 @@ def test_one_frame_of_tiny_clauses_waits_for_its_quota_between_slices(small):
     """Issue 33, a per-connection budget of spans: one token frame of 20,000 clauses queued
     them all at once (slices yielded, but never waited), so a 1 MB frame held the event loop
     5.6 s and pushed out other connections' spans. Now each slice waits for the connection's
-    quota: what it has queued stays within the quota plus one slice's clauses."""
-    quota = 32
+    quota: what it has queued stays within the quota plus one slice's clauses (several slices'
+    worth of quota, so slices do wait)."""
+    quota = 3 * TOKEN_SLICE_CHARS // 4 + 8
 
     async def body():
         async with serving(small, max_queued_per_connection=quota, max_pending=100_000, shed_ms=1e6, stale_ms=1e6) as srv, \
@@ -1108,3 +1109,41 @@ def test_the_inject_in_the_docs_is_what_the_server_sends_for_the_docs_reply(smal
     [got] = run(body())
     assert [t.definition for t in got.tools] == [t.definition for t in documented.tools]
     assert (got.tier, got.trigger) == (documented.tier, documented.trigger)
+
+
+def test_a_read_budget_spends_and_refills():
+    budget = ReadBudget(rate=1000, burst=2000, now=0.0)
+    assert budget.charge(1500, 0.0) == 0  # within the burst
+    assert budget.charge(1000, 0.0) == pytest.approx(0.5)  # 500 over: half a second at 1,000 a second
+    assert budget.charge(0, 0.5) == 0  # refilled to zero by then
+    assert budget.charge(0, 100.0) == 0 and budget.left == 2000  # never more than the burst
+
+
+def test_a_connection_past_its_read_budget_waits_while_others_are_served(small):
+    """Issue 33, the event loop's fair share: a client sending frames as fast as it can (each
+    bad JSON here, so no model work) is read at read_chars_per_s after its burst; another
+    client's pings are answered at once meanwhile."""
+    rate, frame = 40_000, "x" * 19_000  # a burst of 2 x max_frame_bytes = 40,000 characters: two frames, then 2 a second
+
+    async def body():
+        async with serving(small, max_frame_bytes=20_000, read_chars_per_s=rate) as srv:
+            async with websockets.connect(srv.url) as flood, websockets.connect(srv.url) as victim:
+                start = time.perf_counter()
+                for _ in range(6):
+                    await flood.send(frame)
+                answered, pings = [], []
+                while len(answered) < 6:
+                    t0 = time.perf_counter()
+                    assert (await raw_exchange(victim, '{"type": "ping"}'))["type"] == "pong"
+                    pings.append(time.perf_counter() - t0)
+                    with contextlib.suppress(TimeoutError):
+                        while True:
+                            msg = json.loads(await asyncio.wait_for(flood.recv(), 0.02))
+                            answered.append((msg["code"], time.perf_counter() - start))
+                return answered, pings, srv.metrics.value("sidecar_read_throttled_seconds_total")
+
+    answered, pings, throttled = run(body())
+    assert [code for code, _ in answered] == ["bad_json"] * 6
+    assert answered[-1][1] >= (5 * len(frame) - 2 * 20_000) / rate * 0.9  # the sixth waits for the five before it past the burst: 1.375 s
+    assert throttled >= 1.0
+    assert max(pings) < 0.5, pings  # the victim was never behind the flood
