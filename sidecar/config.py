@@ -112,7 +112,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # measured cost per character), whole streams are shed, the most loaded connection's first,
     # so the streams kept are answered within about this instead of every stream late.
     shed_ms: float = 500.0
-    inject_margin: float = 0.05  # also inject runners-up within this relevance of the best
+    # Also inject runners-up within this relevance of the best. Chosen on Seal-Tools' tuning
+    # split (0.05 -> 0.03: recall of the called tools 88.1% -> 87.9%, precision 71.0% -> 74.6%).
+    inject_margin: float = 0.03
     max_inject_tools: int = 3
     split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/asks.py)
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
