@@ -86,16 +86,16 @@ class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logits: np.ndarray | None = None,
-                  actions: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+                  symbolic: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Stack the per-tool views, (n, tools) each; BM25 scaled to the text's best, the
     classifier's `logits` as log-probabilities over the tools given (0 without a classifier),
-    `actions` (n, tools, 3) the views read from words: action, clash and argument
+    `symbolic` (n, tools, 3) the views read from words: action, clash and argument
     (`arguments.SymbolicIndex.views`; 0 without)."""
     top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
     lexical = bm25 / np.maximum(top, 1e-9)
     views = np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1)
-    acts = np.zeros((*cosine.shape, 3), np.float32) if actions is None else actions
-    return np.concatenate([views, acts], axis=-1).astype(np.float32)
+    words = np.zeros((*cosine.shape, 3), np.float32) if symbolic is None else symbolic
+    return np.concatenate([views, words], axis=-1).astype(np.float32)
 
 
 CLASSIFIER_FLOOR = -10.0

@@ -143,12 +143,12 @@ class Pipeline:
                                          progress)  # fmt: skip
         self.indexes, self.catalog = built, catalog
         self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
-        self.actions = SymbolicIndex(list(catalog))
+        self.symbolic = SymbolicIndex(list(catalog))
         self.own = {}
         for key, index in built.items():
             if self.self_fit and index.classifier is not None:
                 with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
-                    own = own_fit(index, self.lexical, self.actions, self.ranker, self.embedder.identity, index.names)
+                    own = own_fit(index, self.lexical, self.symbolic, self.ranker, self.embedder.identity, index.names)
                 if own is not None:
                     self.own[key] = own
         return built
@@ -212,8 +212,8 @@ class Pipeline:
             if learned is not None:
                 seen = learned.cases(vectors[rows], index.names, exclude_self)
                 cases = np.maximum(cases, seen)
-            acts = self.actions.views([requests[i].text for i in rows])
-            features = rank_features(cosine, lex, cases, logits, acts)
+            words = self.symbolic.views([requests[i].text for i in rows])
+            features = rank_features(cosine, lex, cases, logits, words)
             if learned is not None:
                 features = np.concatenate([features, np.maximum(seen, 0.0)[..., None]], axis=-1)
             if learned is not None and learned.weights is not None:
@@ -223,7 +223,7 @@ class Pipeline:
                 scores = (own.ranker if own else self.ranker).score(features[..., : len(RANK_FEATURES)])
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
-                               None if logits is None else logits[j : j + 1], features[j], acts[j : j + 1])  # fmt: skip
+                               None if logits is None else logits[j : j + 1], features[j], words[j : j + 1])  # fmt: skip
         return out  # type: ignore[return-value]
 
     @staticmethod
@@ -383,7 +383,7 @@ class Views(msgspec.Struct):
     bm25: np.ndarray
     logits: np.ndarray | None = None  # the index's classifier, if it has one
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
-    actions: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
+    symbolic: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

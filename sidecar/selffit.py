@@ -78,7 +78,7 @@ class SelfFit(msgspec.Struct, frozen=True):
     classifier: ClassifierFit = msgspec.field(default_factory=ClassifierFit)
     seed: int = 0
 
-    def fit(self, index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker) -> OwnFit:
+    def fit(self, index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker) -> OwnFit:
         t0 = time.perf_counter()
         rng = np.random.default_rng(self.seed)
         x, y, tools = index.matrix, index.row_tool, len(index.names)
@@ -87,7 +87,7 @@ class SelfFit(msgspec.Struct, frozen=True):
         inside, logits = self._out_of_fold(x, y, tools, rng)
         outside = self._leave_tools_out(x, y, tools, rng)
         gate = _gate(inside, outside)
-        ranker = self._ranker(index, lexical, actions, base, rows, logits)
+        ranker = self._ranker(index, lexical, symbolic, base, rows, logits)
         return OwnFit(ranker, gate, len(rows), time.perf_counter() - t0)
 
     def _out_of_fold(self, x: np.ndarray, y: np.ndarray, tools: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +116,7 @@ class SelfFit(msgspec.Struct, frozen=True):
             out[held] = best_probability(clf.logits(x[held]))
         return out
 
-    def _ranker(self, index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker, rows: np.ndarray, logits: np.ndarray) -> Ranker:
+    def _ranker(self, index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker, rows: np.ndarray, logits: np.ndarray) -> Ranker:
         """View weights fitted on the sampled cases: cosine, BM25, nearest other case of each
         tool, the classifier's out-of-fold log-probabilities and the action views; the built-in
         adapter kept."""
@@ -128,7 +128,7 @@ class SelfFit(msgspec.Struct, frozen=True):
             sims[np.arange(len(sims)), rows[lo : lo + 256]] = -1.0  # a case is not its own nearest case
             cases[lo : lo + 256] = np.maximum.reduceat(sims, index.starts, axis=1)
         bm25 = np.vstack([lexical.scores(index.texts[r]) for r in rows])
-        features = rank_features(cosine, bm25, cases, logits, actions.views([index.texts[r] for r in rows]))
+        features = rank_features(cosine, bm25, cases, logits, symbolic.views([index.texts[r] for r in rows]))
         # The action views keep the built-in weights: a tool's cases mostly open with its own
         # verb, so on them the views look surer than on requests.
         held = held_symbolic(base, features.shape[-1])
@@ -166,7 +166,7 @@ def _precision(p_in: np.ndarray, p_out: np.ndarray, cut: float) -> float:
 _fits: dict[tuple, OwnFit] = {}  # the last few, by model and catalog content (a reindex of an unchanged catalog refits nothing)
 
 
-def own_fit(index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, base: Ranker, model: str, names: Sequence[str],
+def own_fit(index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker, model: str, names: Sequence[str],
             fit: SelfFit = SelfFit()) -> OwnFit | None:  # fmt: skip
     """`fit.fit`, memoised by model, index content and base ranker; None for a catalog of more
     than `fit.max_tools` tools (it keeps the built-in calibration)."""
@@ -176,5 +176,5 @@ def own_fit(index: ToolIndex, lexical: LexicalIndex, actions: SymbolicIndex, bas
     if key not in _fits:
         while len(_fits) >= 4:
             _fits.pop(next(iter(_fits)))
-        _fits[key] = fit.fit(index, lexical, actions, base)
+        _fits[key] = fit.fit(index, lexical, symbolic, base)
     return _fits[key]

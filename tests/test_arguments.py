@@ -99,7 +99,7 @@ def test_a_named_file_outranks_a_shared_noun(files):  # noqa: F811
     requests = [pipeline.Request(t) for t in texts]
     column = files.index_for("user").names.index
     views = files.views(requests, files.queries.embed(files.embedder, texts).vectors)
-    assert views[0].actions[0, column("filesystem__read_text_file"), 2] == 1 and views[0].actions[0, column("notes__read_note"), 2] == 0
+    assert views[0].symbolic[0, column("filesystem__read_text_file"), 2] == 1 and views[0].symbolic[0, column("notes__read_note"), 2] == 0
     ranked = files.rank_batch(requests, k=len(files.catalog))
     saved = files.ranker
     try:

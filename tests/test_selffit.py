@@ -85,5 +85,5 @@ def test_a_catalog_without_own_cases_keeps_the_built_in_calibration(tmp_path):
 def test_a_catalog_past_the_tool_limit_keeps_the_built_in_calibration(fitted):
     index = fitted.index_for("user")
     small = selffit.SelfFit(max_tools=len(index.names) - 1)
-    assert selffit.own_fit(index, fitted.lexical, fitted.actions, fitted.ranker, "m", index.names, small) is None
-    assert selffit.own_fit(index, fitted.lexical, fitted.actions, fitted.ranker, "m", index.names) is not None
+    assert selffit.own_fit(index, fitted.lexical, fitted.symbolic, fitted.ranker, "m", index.names, small) is None
+    assert selffit.own_fit(index, fitted.lexical, fitted.symbolic, fitted.ranker, "m", index.names) is not None
