@@ -122,7 +122,7 @@ OPTIONAL = 0.5  # a kind only an optional property takes ("attachments" of `draf
 
 def of_tool(tool: Tool) -> dict[str, float]:
     """The kinds a tool's input schema takes, over its properties and one level of their
-    items / nested properties (an `events` array of objects with a `start`): 1 where a
+    items / nested properties (a `files` array of objects with a `url`): 1 where a
     required property takes it (or the schema says nothing of what is required), OPTIONAL
     where only optional ones do."""
     out: dict[str, float] = {}
