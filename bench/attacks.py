@@ -545,6 +545,25 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
             proc.kill()
 
 
+MEDIAN_KEYS = ("ping_p50_ms", "ping_p99_ms", "ping_p99_x", "decision_p50_ms", "decision_p99_ms", "decision_p99_x", "fresh_client_ms")
+
+
+def medians(runs: list[dict]) -> dict:
+    """Several whole runs (each its own server and idle baseline) as one: per attack the
+    median of each figure, a ratio the median of the runs' ratios to their own baseline; the
+    attacker's tallies from the last run; every run kept under `runs`."""
+    med = lambda rows, k: round(statistics.median(r[k] for r in rows if r.get(k) is not None), 2)  # noqa: E731
+    last = runs[-1]
+    attacks = []
+    for row in last["attacks"]:
+        same = [next(a for a in r["attacks"] if a["attack"] == row["attack"]) for r in runs]
+        merged = {**row, **{k: med(same, k) for k in MEDIAN_KEYS if any(a.get(k) is not None for a in same)}}
+        merged["meets_target"] = merged["ping_p99_x"] <= PING_TARGET and merged["decision_p99_x"] <= DECISION_TARGET
+        attacks.append(merged)
+    baseline = {**last["baseline"], **{k: med([r["baseline"] for r in runs], k) for k in MEDIAN_KEYS if k in last["baseline"]}}
+    return {**last, "baseline": baseline, "attacks": attacks, "server_alive": all(r["server_alive"] for r in runs), "runs": runs}
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -555,6 +574,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the server (default 1)")
     ap.add_argument("--url", help="attack a running sidecar on loopback instead (its own config)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="[server] settings of the server it starts, e.g. max_batch_ms=50")
+    ap.add_argument("--runs", type=int, default=1, help="whole runs, each with a fresh server; figures are medians (default 1)")
     ap.add_argument("--attack", choices=list(ATTACKS), help=argparse.SUPPRESS)  # the attacker process
     args = ap.parse_args(argv)
     if args.url and not args.url.startswith("ws://127.0.0.1:"):
@@ -567,6 +587,7 @@ if __name__ == "__main__":
     if a.attack:
         run_attacker(a.attack, a.url, a.seconds)
     else:
-        result = asyncio.run(main(a))
+        results = [asyncio.run(main(a)) for _ in range(max(a.runs, 1))]
+        result = results[0] if len(results) == 1 else medians(results)
         if a.json:
             print(json.dumps(result, indent=1))
