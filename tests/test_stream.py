@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from sidecar import catalog as catalog_mod
+from sidecar import stream
 from sidecar.config import ServerConfig
 from sidecar.engine import Judgement
 from sidecar.gate import Candidate, Decision, Timing, Trigger
@@ -331,3 +332,11 @@ def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes)
     for i in range(20):
         s.on_user(f"u{i}", "hi", 0.0)
     assert len(s._streams) == 4 + 8 and all(sid in s._streams for sid in ("r0", "open0", "open1", "open2"))  # r0 reopened above
+
+
+def test_a_word_run_stops_at_every_character_the_segmenter_treats_as_space():
+    """`stream._WORD_RUN` steps over a word at once; it must stop wherever `feed`'s own
+    character test (str.isspace) sees a space, or words would merge."""
+    spaces = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    assert set(stream._SPACES) == set(spaces)
+    assert all(stream._WORD_RUN.match("a" + c + "b").end() == 1 for c in spaces)
