@@ -281,6 +281,7 @@ class SidecarServer:
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
         self._evicting = 0  # silent connections closed to make room, not yet gone
+        self._silent: OrderedDict[Connection, None] = OrderedDict()  # no hello yet, oldest first (eviction's candidates)
         self._answered: OrderedDict[Session, float] = OrderedDict()  # connection -> when its last span was taken, oldest first
         self.records = Records(self)  # tool_result / feedback commits in flight
         self._busy = False
@@ -389,11 +390,10 @@ class SidecarServer:
         (1013), so a newcomer gets its place: a real client says hello as soon as it connects,
         and silent sockets from many addresses (which no per-address limit stops) would
         otherwise turn everyone away until `hello_timeout_s`. False when there is none."""
-        now = time.monotonic()
-        silent = (c for c in self.connections.values() if c.session.hello is None and not c.evicted and now - c.opened >= EVICT_SILENT_S)
-        oldest = min(silent, key=lambda c: c.opened, default=None)
-        if oldest is None:
+        oldest = next(iter(self._silent), None)  # O(1): the scan of every connection cost 0.2 s of 4 in an attack
+        if oldest is None or time.monotonic() - oldest.opened < EVICT_SILENT_S:
             return False
+        del self._silent[oldest]
         oldest.evicted = True
         self._evicting += 1
         self.metrics.timeouts.labels("evicted").inc()
@@ -409,6 +409,7 @@ class SidecarServer:
         session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
+        self._silent[conn] = None
         self.addresses[address] += 1
         frames = aiter(ws)
         try:
@@ -438,6 +439,7 @@ class SidecarServer:
         finally:
             conn.session.closed = True
             del self.connections[conn.session]
+            self._silent.pop(conn, None)
             if conn.evicted:
                 self._evicting -= 1
             self.addresses[address] -= 1
@@ -528,6 +530,7 @@ class SidecarServer:
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
+        self._silent.pop(conn, None)
         conn.refs = msg.resume or secrets.token_hex(16)
         if own is None and self.learner is not None:  # the server's catalog: what its lesson is for
             conn.session.turns = Turns()
