@@ -58,23 +58,22 @@ def of_text(text: str) -> frozenset[str]:
         token = raw.strip(_STRIP)
         if not token or len(token) > MAX_TOKEN:
             continue
-        low = token.lower().rstrip(".")
-        if "." not in token and "/" not in token and "@" not in token and "~" not in token:  # most words: a commit or nothing
+        bare = token.rstrip(".")  # a sentence's full stop is not part of what it names
+        low = bare.lower()
+        if not any(c in bare for c in "./@~"):  # most words: a commit or nothing
             if 7 <= len(low) <= 40 and _COMMIT.fullmatch(low):
                 found.add("commit")
         elif _URL.fullmatch(token):
             found.add("url")
-        elif _EMAIL.fullmatch(token.rstrip(".")):
+        elif _EMAIL.fullmatch(bare):
             found.add("email")
-        elif _FILE.fullmatch(token.rstrip(".")):
+        elif _FILE.fullmatch(bare):
             found.add("file")
-        elif _SLUG.fullmatch(token.rstrip(".")):
+        elif _SLUG.fullmatch(bare):
             if low not in _NOT_FOLDERS:
                 found.add("slug")
-        elif _FOLDER.fullmatch(token.rstrip(".")):
+        elif _FOLDER.fullmatch(bare):
             found.add("folder")
-        elif _COMMIT.fullmatch(low):
-            found.add("commit")
     return frozenset(found)
 
 

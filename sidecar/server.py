@@ -38,8 +38,8 @@ import secrets
 import signal
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve

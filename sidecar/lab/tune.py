@@ -639,7 +639,7 @@ def describe(f: Fitted) -> str:
     c, t, h, r = f.calibration, f.calibration.thresholds, f.heldout, f.calibration.ranker
     return "\n".join([
         f"{c.model}{' +task-prefixes' if c.task_prefixes else ''}: fitted on {f.fit_items} items in {f.seconds:.0f} s, objective {f.objective}",
-        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", "cases", "classifier", "action", "clash"), r.weights))
+        "  ranker weights: " + ", ".join(f"{v} {w:.3f}" for v, w in zip(("cosine", "bm25", *RANK_FEATURES[2:]), r.weights))
         + (", after a query adapter" if r.adapter is not None else ""),
         f"  thresholds (probabilities): high {t.high:.3f}, fallback {t.fallback:.3f}, confirm {t.confirm:.3f}, auto {t.auto:.3f}",
         f"  out-of-fold on the fit part (each text against the catalog and against a part of it): TP {f.fit.tp_rate:.1%}, "
