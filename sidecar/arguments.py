@@ -32,6 +32,7 @@ import regex
 from .actions import ActionIndex
 from .cases import name_words
 from .catalog import Tool
+from .learned import server_ids
 
 KINDS = ("file", "folder", "slug", "url", "email", "commit")
 
@@ -168,10 +169,12 @@ def _indicators(rows: Sequence[Mapping[str, float] | frozenset[str]]) -> np.ndar
 
 class SymbolicIndex:
     """The ranker's views read from words, not embeddings: `action` and `clash` (the verb,
-    `actions.py`) and `argument` (the things named, this module)."""
+    `actions.py`) and `argument` (the things named, this module); and each tool's server,
+    which the server view groups the tools by (`learned.server_view`)."""
 
     def __init__(self, tools: Sequence[Tool]):
         self.actions, self.arguments = ActionIndex(tools), ArgumentIndex(tools)
+        self.servers = server_ids([t.server for t in tools])
 
     def views(self, texts: Sequence[str]) -> np.ndarray:
         """(texts, tools, 3)."""

@@ -8,8 +8,9 @@ Three small fitted pieces; the first two are saved in a calibration file:
   names scaled by the text's best BM25, and the `Classifier`'s log-probability where the
   catalog has one, the action the text asks for against the tool's (`sidecar/actions.py`:
   a shared action, no shared family of actions), and the share of the things the text names
-  (a file, a time, an address...) that the tool's parameters take (`sidecar/arguments.py`) —
-  fitted with a listwise softmax so the expected tool comes first.
+  (a file, a time, an address...) that the tool's parameters take (`sidecar/arguments.py`),
+  and how well the tool's server as a whole matches the text (`server_view`) — fitted with a
+  listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.
 * `GateHead`: the probability that a text needs a tool: logistic regression (standardised,
   L2) on the text's embedding and on features that mean the same for any catalog (the
@@ -33,7 +34,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-RANK_FEATURES = ("cosine", "lexical", "cases", "classifier", "action", "clash", "argument")
+RANK_FEATURES = ("cosine", "lexical", "cases", "classifier", "action", "clash", "argument", "server")
 GATE_SCALARS = ("top1", "margin", "spread", "cosine_top1", "cases_top1", "bm25_top1", "llm", "near_tool", "near_none", "near_gap", "high",
                 "classifier_top1", "negative", "tool_k", "none_k", "gap_k", "vote_k")  # fmt: skip
 TEMPERATURE = 20.0  # weights are stored divided by this, so a blend reads on the cosine scale
@@ -86,16 +87,44 @@ class Ranker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def rank_features(cosine: np.ndarray, bm25: np.ndarray, cases: np.ndarray, logits: np.ndarray | None = None,
-                  symbolic: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+                  symbolic: np.ndarray | None = None, servers: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """Stack the per-tool views, (n, tools) each; BM25 scaled to the text's best, the
     classifier's `logits` as log-probabilities over the tools given (0 without a classifier),
     `symbolic` (n, tools, 3) the views read from words: action, clash and argument
-    (`arguments.SymbolicIndex.views`; 0 without)."""
+    (`arguments.SymbolicIndex.views`; 0 without), then `server_view` of `servers` (each
+    tool's server, `server_ids`; 0 without)."""
     top = bm25.max(axis=1, keepdims=True) if bm25.shape[1] else np.zeros((bm25.shape[0], 1))
     lexical = bm25 / np.maximum(top, 1e-9)
     views = np.stack([cosine, lexical, cases, classifier_view(logits, cosine.shape)], axis=-1)
     words = np.zeros((*cosine.shape, 3), np.float32) if symbolic is None else symbolic
-    return np.concatenate([views, words], axis=-1).astype(np.float32)
+    return np.concatenate([views, words, server_view(cosine, servers)[..., None]], axis=-1).astype(np.float32)
+
+
+def server_ids(servers: Sequence[str | None]) -> np.ndarray:
+    """Each tool's server as a small integer (tools of no named server share one)."""
+    index: dict[str | None, int] = {}
+    return np.array([index.setdefault(s, len(index)) for s in servers], np.int64)
+
+
+def server_view(cosine: np.ndarray, servers: np.ndarray | None) -> np.ndarray:
+    """(n, tools): the mean cosine of the text to the tools of each tool's server, less the
+    best server's. A tool of another server that shares a word with the text ("what value
+    does session:42 hold?" -> desktop-commander's `list_sessions`) stands alone there, while
+    the server the text is about matches with many of its tools. 0 for a catalog of one
+    server. Measured with the other weights held, fitted on the corpus's fit part (MiniLM /
+    nomic, right tool first): held-out servers 61.5% -> 62.3% / 63.0% -> 63.5%, a
+    verb development set over 22 other servers 66.7% -> 68.1% / 71.5% -> 72.9%."""
+    out = np.zeros(cosine.shape, np.float32)
+    if servers is None or not len(servers) or servers.max() == 0:
+        return out
+    members = np.zeros((len(servers), int(servers.max()) + 1), np.float32)
+    members[np.arange(len(servers)), servers] = 1.0
+    present = members.sum(axis=0) > 0
+    mean = (cosine @ members[:, present]) / members[:, present].sum(axis=0)
+    mean -= mean.max(axis=1, keepdims=True)
+    full = np.zeros((len(cosine), members.shape[1]), np.float32)
+    full[:, present] = mean
+    return full[:, servers]
 
 
 CLASSIFIER_FLOOR = -10.0
@@ -230,17 +259,19 @@ class RankerFit(msgspec.Struct, frozen=True):
 
 
 SYMBOLIC_VIEWS = ("action", "clash", "argument")  # read from words, not embeddings (`arguments.SymbolicIndex`)
+HELD_VIEWS = (*SYMBOLIC_VIEWS, "server")  # weighed on the whole corpus only (`held_symbolic`)
 
 
 def held_symbolic(base: Ranker | None, views: int) -> list[float | None]:
-    """`RankerFit.weights(fixed=...)` for a fit that keeps the SYMBOLIC_VIEWS' weights from
+    """`RankerFit.weights(fixed=...)` for a fit that keeps the HELD_VIEWS' weights from
     `base` (the built-in calibration's, fitted on the whole corpus) and fits the rest: a
     catalog's own cases open with their tool's verb, a tune of a few texts or a traffic log
     lets a few sparse views separate what they saw and nothing else (the action views
     refitted on 16 texts: gate probabilities of exactly 0 and 1; on BFCL live traffic:
-    precision 7 points down)."""
+    precision 7 points down); a catalog's cases lie close to their own server's other tools,
+    so on them the server view would look surer than on requests."""
     weights = [*(base.weights if base is not None else ()), *[0.0] * len(RANK_FEATURES)]
-    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in SYMBOLIC_VIEWS else None for j in range(views)]
+    return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in HELD_VIEWS else None for j in range(views)]
 
 
 def _target_mass(targets: Sequence[Sequence[int]], n: int, tools: int) -> np.ndarray:

@@ -213,7 +213,7 @@ class Pipeline:
                 seen = learned.cases(vectors[rows], index.names, exclude_self)
                 cases = np.maximum(cases, seen)
             words = self.symbolic.views([requests[i].text for i in rows])
-            features = rank_features(cosine, lex, cases, logits, words)
+            features = rank_features(cosine, lex, cases, logits, words, self.symbolic.servers)
             if learned is not None:
                 features = np.concatenate([features, np.maximum(seen, 0.0)[..., None]], axis=-1)
             if learned is not None and learned.weights is not None:
@@ -223,7 +223,7 @@ class Pipeline:
                 scores = (own.ranker if own else self.ranker).score(features[..., : len(RANK_FEATURES)])
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
-                               None if logits is None else logits[j : j + 1], features[j], words[j : j + 1])  # fmt: skip
+                               None if logits is None else logits[j : j + 1], features[j], words[j : j + 1], self.symbolic.servers)  # fmt: skip
         return out  # type: ignore[return-value]
 
     @staticmethod
@@ -384,6 +384,7 @@ class Views(msgspec.Struct):
     logits: np.ndarray | None = None  # the index's classifier, if it has one
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
     symbolic: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
+    servers: np.ndarray | None = None  # (tools,) each tool's server (learned.server_ids)
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

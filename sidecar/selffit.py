@@ -128,7 +128,7 @@ class SelfFit(msgspec.Struct, frozen=True):
             sims[np.arange(len(sims)), rows[lo : lo + 256]] = -1.0  # a case is not its own nearest case
             cases[lo : lo + 256] = np.maximum.reduceat(sims, index.starts, axis=1)
         bm25 = np.vstack([lexical.scores(index.texts[r]) for r in rows])
-        features = rank_features(cosine, bm25, cases, logits, symbolic.views([index.texts[r] for r in rows]))
+        features = rank_features(cosine, bm25, cases, logits, symbolic.views([index.texts[r] for r in rows]), symbolic.servers)
         # The action views keep the built-in weights: a tool's cases mostly open with its own
         # verb, so on them the views look surer than on requests.
         held = held_symbolic(base, features.shape[-1])

@@ -258,7 +258,7 @@ def fit(
     # thresholds chosen on them let through less than they promise.
     offers = Offers(pipe, fit_items)
     plain = offers.views(pipe.views(requests, q))  # the default ranker's (no adapter): the views every ranker is fitted on
-    features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits, v.symbolic)[0]) for k, v in enumerate(plain)])
+    features = np.stack([offers.widen(k, rank_features(v.cosine, v.bm25, v.cases, v.logits, v.symbolic, v.servers)[0]) for k, v in enumerate(plain)])
     position = {n: k for k, n in enumerate(offers.names)}
     targets = [[position[t] for t in i.expected] for i in fit_items]
     folds = _folds(fit_items, [offers.best_tool(k, v) for k, v in enumerate(plain)], seed)
@@ -529,8 +529,9 @@ class Offers:
         bm25 = self._lexicals[key].scores(text)[None, :] if mask.any() else np.zeros((1, 0), np.float32)
         logits = None if v.logits is None else v.logits[:, mask]  # renormalised over these tools by rank_features
         words = None if v.symbolic is None else v.symbolic[:, mask]
-        return Views(v.index, self.pipe.ranker.score(rank_features(cosine, bm25, cases, logits, words)), cosine, cases, bm25, logits,
-                     symbolic=words)  # fmt: skip
+        servers = None if v.servers is None else v.servers[mask]
+        return Views(v.index, self.pipe.ranker.score(rank_features(cosine, bm25, cases, logits, words, servers)), cosine, cases, bm25, logits,
+                     symbolic=words, servers=servers)  # fmt: skip
 
     def widen(self, k: int, row: np.ndarray) -> np.ndarray:
         """Text k's per-tool rows over its own tools, placed at their catalog positions (zeros elsewhere)."""
