@@ -103,15 +103,22 @@ class Pending:
             self.dropped["overflow"] += 1
 
     def take(self, now: float, limit: int | None = None, budget: float | None = None,
-             cost: Callable[[Any], float] | None = None) -> list[Any]:  # fmt: skip
+             cost: Callable[[Any], float] | None = None, one_round: bool = False) -> list[Any]:  # fmt: skip
         """Up to `limit` fresh evaluations (all when None), one per connection in turn, each
         connection's oldest first; with `budget` and `cost`, stop once the taken spans' cost
-        reaches the budget (the first span is always taken). Stale ones met on the way are
-        dropped; what is not taken stays queued."""
+        reaches the budget (the first span is always taken). `one_round`: once two connections
+        have a span in the batch, none gets a second, so a connection with one span waiting
+        shares its batch with one span of each other, not with a budget's worth of a flooding
+        one's (a lone connection still fills the budget). Stale ones met on the way are dropped;
+        what is not taken stays queued."""
         out: list[Any] = []
         spent = 0.0
+        served: set[Any] = set()
         while self._groups and (limit is None or len(out) < limit) and (budget is None or not out or spent < budget):
             g, items = next(iter(self._groups.items()))
+            if one_round and g in served and len(served) > 1:
+                break
+            served.add(g)
             _, ev = items.popitem(last=False)
             self._forget(ev)
             if items:

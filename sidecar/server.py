@@ -629,10 +629,12 @@ class SidecarServer:
             await self._wake.wait()
             self._wake.clear()
             now = time.perf_counter()
-            budget = self._batch_ms(now) / 1000 if self._cost_per_char is not None else None
+            batch_ms = self._batch_ms(now)
+            budget = batch_ms / 1000 if self._cost_per_char is not None else None
             if self._cost_per_char:  # overload: whole streams go before every stream is late
                 self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
-            batch = self.pending.take(now, self.limits.max_batch_spans, budget, self._cost)
+            # shared: a span that waited behind a flood's batch is not judged beside a second round of it
+            batch = self.pending.take(now, self.limits.max_batch_spans, budget, self._cost, one_round=batch_ms < self.limits.max_batch_ms)
             batch = [ev for ev in batch if not ev.owner.closed]
             for ev in batch:
                 self._answered[ev.owner] = now

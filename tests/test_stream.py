@@ -166,6 +166,27 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
+def test_one_round_keeps_a_lone_span_from_sharing_its_batch_with_a_flood():
+    """Issue 33: a victim's span that waited behind a flooding connection's batch was then
+    judged beside a budget's worth more of the flood's spans. In one round, once two
+    connections are in the batch, none gets a second span; a lone connection still fills the
+    budget, and rounds over many connections take one span of each."""
+    q = Pending(max_pending=1000, stale_s=10.0)
+    for k in range(20):
+        q.put(Ev(object(), 0.0, f"f{k}", owner="flood", stream="s"))
+    assert [e.name for e in q.take(0.0, budget=5.0, cost=lambda ev: 1.0, one_round=True)] == ["f0", "f1", "f2", "f3", "f4"]
+    q.put(Ev(object(), 0.0, "v", owner="victim", stream="v"))
+    taken = [e.name for e in q.take(0.0, budget=5.0, cost=lambda ev: 1.0, one_round=True)]
+    assert sorted(taken) == ["f5", "v"]
+    q.put(Ev(object(), 0.0, "v2", owner="victim", stream="v"))
+    taken = [e.name for e in q.take(0.0, budget=5.0, cost=lambda ev: 1.0)]  # without: the budget's worth
+    assert len(taken) == 5 and "v2" in taken
+    for c in range(8):
+        q.put(Ev(object(), 0.0, f"c{c}", owner=f"c{c}", stream="s"))
+    taken = [e.name for e in q.take(0.0, budget=100.0, cost=lambda ev: 1.0, one_round=True)]
+    assert len(taken) == 9 and sum(n.startswith("c") for n in taken) == 8
+
+
 def test_pending_tells_one_flooding_connection_from_load_spread_over_many():
     """What the server's batch size rests on: a queue one connection holds most of keeps the
     batches short for the others; one spread over many gets big, efficient batches."""
