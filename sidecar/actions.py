@@ -33,19 +33,19 @@ from .catalog import Tool
 # creates or, in git, stages); a text or tool then has all of them.
 TAXONOMY: dict[str, tuple[str, str]] = {
     "read": ("retrieve", "read get show open view fetch retrieve display see load print check look inspect preview describe pull give grab "
-                         "review summarize dump tell"),
+                         "review summarize dump tell crawl scrape"),
     "list": ("retrieve", "list show enumerate browse"),
     "search": ("retrieve", "search find query lookup locate grep seek look"),
     "compare": ("retrieve", "diff compare"),
     "download": ("retrieve", "download export"),
     "compute": ("retrieve", "calculate compute analyze analyse estimate predict measure count detect"),  # tells, changes nothing
     "create": ("write", "create add new make write save store record generate build compose draft insert put post append raise attach "
-                        "remember"),
+                        "remember comment define bookmark jot"),
     "schedule": ("write", "schedule book plan arrange"),
     "update": ("write", "update edit change modify set rename replace patch fix adjust alter correct overwrite amend tweak mark toggle turn "
-                        "rewrite swap flag assign fill enter"),
+                        "rewrite swap flag assign fill enter tag label pin bump"),
     "complete": ("write", "complete finish resolve close archive"),
-    "delete": ("write", "delete remove erase drop clear trash discard destroy purge wipe unlink detach"),
+    "delete": ("write", "delete remove erase drop clear trash discard destroy purge wipe unlink detach nuke forget"),
     "move": ("write", "move relocate transfer copy duplicate rename put push"),
     "send": ("send", "send email mail message reply forward share notify post submit"),
     "respond": ("send", "respond reply rsvp accept decline"),
@@ -58,9 +58,9 @@ TAXONOMY: dict[str, tuple[str, str]] = {
     "switch": ("switch", "checkout switch"),
     "branch": ("branch", "branch fork clone"),
     "run": ("run", "run execute launch start trigger invoke"),
-    "stop": ("stop", "stop kill cancel abort terminate"),
+    "stop": ("stop", "stop kill cancel abort terminate pause"),
     "navigate": ("navigate", "navigate visit"),
-    "interact": ("interact", "click type press hover drag select scroll"),
+    "interact": ("interact", "click type press hover drag select scroll pick"),
     "convert": ("convert", "convert transform translate format"),
     "wait": ("wait", "wait"),
 }
@@ -84,7 +84,8 @@ _NOUN_AFTER = frozenset("a an the my your our their his her its this that these 
 # ... and right before these ("list of files", "search is slow", "email from Bob").
 _NOUN_BEFORE = frozenset("of from is was are were has have 's".split())
 # A question about what there is or what happened asks to retrieve ("what did I change").
-_QUESTION = regex.compile(r"^\s*(?:what|what's|whats|which|who|whose|where|when|how\s+many|how\s+much)\b|^\s*(?:is|are)\s+there\b|^\s*do\s+i\s+have\b",
+_QUESTION = regex.compile(r"^\s*(?:what|what's|whats|which|who|whose|where|when|how\s+many|how\s+much|how's|hows|how\s+(?:big|long|old|far|is|are|was))\b"
+                          r"|^\s*(?:is|are)\s+there\b|^\s*do\s+i\s+have\b|^\s*any\b",
                           regex.I)  # fmt: skip
 _WORD = regex.compile(r"[a-z]+(?:'[a-z]+)?")
 # A leading subordinate clause sets the scene; the request follows its comma ("Before moving
