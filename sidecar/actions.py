@@ -70,6 +70,7 @@ PHRASES: dict[tuple[str, str], str] = {
     ("look", "at"): "read", ("check", "off"): "complete", ("clean", "up"): "delete", ("turn", "on"): "update", ("turn", "off"): "update",
     ("write", "down"): "create", ("note", "down"): "create", ("jot", "down"): "create", ("find", "out"): "read",
     ("open", "a"): "create", ("open", "an"): "create", ("open", "new"): "create", ("take", "down"): "delete",
+    ("kick", "off"): "run", ("go", "back"): "navigate",
 }
 CLASSES = tuple(TAXONOMY)
 FAMILIES = tuple(dict.fromkeys(f for f, _ in TAXONOMY.values()))
@@ -150,7 +151,13 @@ def _sentence_action(text: str) -> Action:
     for i, w in enumerate(words):
         verb = w if w in VERBS else lemma(w) if i == 0 or words[i - 1] in _PROGRESSIVE else None
         after = words[i + 1] if i + 1 < len(words) else ""
-        if verb is None or (i and words[i - 1] in _NOUN_AFTER) or after in _NOUN_BEFORE:
+        if i and words[i - 1] in _NOUN_AFTER:
+            continue
+        if verb is None:  # a two-word verb whose first word is none ("take down", "kick off")
+            if (phrase := PHRASES.get((w, after))) is not None:
+                return Action.of_classes(frozenset({phrase}))
+            continue
+        if after in _NOUN_BEFORE:
             continue
         if (phrase := PHRASES.get((verb, after))) is not None:
             return Action.of_classes(frozenset({phrase}))

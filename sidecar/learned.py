@@ -112,7 +112,7 @@ def server_view(cosine: np.ndarray, servers: np.ndarray | None) -> np.ndarray:
     does session:42 hold?" -> desktop-commander's `list_sessions`) stands alone there, while
     the server the text is about matches with many of its tools. 0 for a catalog of one
     server. Measured with the other weights held, fitted on the corpus's fit part (MiniLM /
-    nomic, right tool first): held-out servers 61.5% -> 62.3% / 63.0% -> 63.5%, a
+    nomic, right tool first): held-out servers 61.5% -> 62.3% / 63.0% -> 63.3%, a
     verb development set over 22 other servers 66.7% -> 68.1% / 71.5% -> 72.9%."""
     out = np.zeros(cosine.shape, np.float32)
     if servers is None or not len(servers) or servers.max() == 0:

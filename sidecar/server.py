@@ -119,7 +119,10 @@ class Silent:
 
     def discard(self, conn: Connection) -> None:
         held = self._by_address.get(conn.address)
-        if held is not None and held.pop(conn, False) is None and not held:
+        if held is None or conn not in held:
+            return
+        del held[conn]
+        if not held:
             del self._by_address[conn.address]
 
     def held_by(self, address: str) -> int:

@@ -36,13 +36,15 @@ FILE_SERVERS = [CATALOGS / f"{c}.json" for c in ("filesystem", "git", "github", 
     ("forget what I said about Alice", {"delete"}),
     ("pause the nightly job", {"stop"}),
     ("crawl the docs site", {"read"}),
+    ("take down the old post", {"delete"}),  # a two-word verb whose first word is no taxonomy verb
+    ("kick off ./deploy.sh in a terminal", {"run"}),
 ])  # fmt: skip
 def test_the_leading_verb_names_the_action(text, classes):
     assert actions.of_text(text).classes == classes
 
 
 @pytest.mark.parametrize("text", ["my list of groceries is long", "the search is slow today", "email from Bob about lunch", "thanks!",
-                                  "thanks for saving it"])
+                                  "thanks for saving it", "the take down notice came in"])
 def test_a_verb_used_as_a_noun_names_none(text):
     assert actions.of_text(text) == actions.Action()
 
