@@ -315,7 +315,7 @@ def decode_server(frame: str | bytes) -> ServerMessage:
         raise ProtocolError("bad_message", f"not a sidecar message: {e}") from None
 
 
-def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
+def _explain(frame: str, err: Exception) -> ProtocolError:
     """Turn msgspec's error into one of: bad_json, bad_message, unknown_type, missing_field,
     invalid_field. Only failed frames pay for this second look. msgspec recurses: where it
     gives up depends on the caller's stack, so a well-formed frame is scanned for depth
@@ -351,7 +351,7 @@ def _explain(frame: str | bytes, err: Exception) -> ProtocolError:
     return ProtocolError("invalid_field", f"{kind}: {_short(text.replace('$.', ''), quote=False)}", ref)
 
 
-def _not_an_object(frame: str | bytes) -> ProtocolError:
+def _not_an_object(frame: str) -> ProtocolError:
     """A frame that did not start with an object: bad_json when it is not JSON either
     (`[1,2`: the envelope gave up at the first token, before the truncation)."""
     try:
@@ -360,7 +360,7 @@ def _not_an_object(frame: str | bytes) -> ProtocolError:
         return ProtocolError("bad_json", TOO_DEEP)
     except (msgspec.DecodeError, ValueError) as e:
         return ProtocolError("bad_json", f"malformed JSON: {_short(str(e), quote=False)}")
-    if too_deep(frame if isinstance(frame, str) else bytes(frame).decode("utf-8")):
+    if too_deep(frame):
         return ProtocolError("bad_json", TOO_DEEP)
     return ProtocolError("bad_message", 'a message is a JSON object with a "type" field')
 
