@@ -115,16 +115,15 @@ def server_view(cosine: np.ndarray, servers: np.ndarray | None) -> np.ndarray:
     nomic, right tool first): held-out servers 61.5% -> 62.3% / 63.0% -> 63.3%, a
     verb development set over 22 other servers 66.7% -> 68.1% / 71.5% -> 72.9%."""
     out = np.zeros(cosine.shape, np.float32)
-    if servers is None or not len(servers) or servers.max() == 0:
+    if servers is None or not len(servers) or servers.min() == servers.max():
         return out
-    members = np.zeros((len(servers), int(servers.max()) + 1), np.float32)
-    members[np.arange(len(servers)), servers] = 1.0
-    present = members.sum(axis=0) > 0
-    mean = (cosine @ members[:, present]) / members[:, present].sum(axis=0)
+    order = np.argsort(servers, kind="stable")  # each server's tools side by side: one reduceat sums them all
+    new_server = np.diff(servers[order]) != 0
+    starts = np.flatnonzero(np.concatenate([[True], new_server]))
+    mean = np.add.reduceat(cosine[:, order], starts, axis=1) / np.diff(np.append(starts, len(servers)))
     mean -= mean.max(axis=1, keepdims=True)
-    full = np.zeros((len(cosine), members.shape[1]), np.float32)
-    full[:, present] = mean
-    return full[:, servers]
+    out[:, order] = mean[:, np.cumsum(np.concatenate([[0], new_server]))]
+    return out
 
 
 CLASSIFIER_FLOOR = -10.0
@@ -259,10 +258,10 @@ class RankerFit(msgspec.Struct, frozen=True):
 
 
 SYMBOLIC_VIEWS = ("action", "clash", "argument")  # read from words, not embeddings (`arguments.SymbolicIndex`)
-HELD_VIEWS = (*SYMBOLIC_VIEWS, "server")  # weighed on the whole corpus only (`held_symbolic`)
+HELD_VIEWS = (*SYMBOLIC_VIEWS, "server")  # weighed on the whole corpus only (`held_views`)
 
 
-def held_symbolic(base: Ranker | None, views: int) -> list[float | None]:
+def held_views(base: Ranker | None, views: int) -> list[float | None]:
     """`RankerFit.weights(fixed=...)` for a fit that keeps the HELD_VIEWS' weights from
     `base` (the built-in calibration's, fitted on the whole corpus) and fits the rest: a
     catalog's own cases open with their tool's verb, a tune of a few texts or a traffic log

@@ -38,7 +38,7 @@ import numpy as np
 
 from .gate import Thresholds
 from .arguments import SymbolicIndex
-from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_symbolic, logit, rank_features
+from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_views, logit, rank_features
 
 if TYPE_CHECKING:
     from .index import ToolIndex
@@ -129,9 +129,9 @@ class SelfFit(msgspec.Struct, frozen=True):
             cases[lo : lo + 256] = np.maximum.reduceat(sims, index.starts, axis=1)
         bm25 = np.vstack([lexical.scores(index.texts[r]) for r in rows])
         features = rank_features(cosine, bm25, cases, logits, symbolic.views([index.texts[r] for r in rows]), symbolic.servers)
-        # The action views keep the built-in weights: a tool's cases mostly open with its own
-        # verb, so on them the views look surer than on requests.
-        held = held_symbolic(base, features.shape[-1])
+        # The action, argument and server views keep the built-in weights (`held_views`): on a
+        # tool's own cases they look surer than on requests.
+        held = held_views(base, features.shape[-1])
         weights = RankerFit().weights(features, [[int(t)] for t in index.row_tool[rows]], fixed=held)
         return Ranker(weights, base.adapter)
 

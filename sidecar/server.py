@@ -113,9 +113,8 @@ class Silent:
     def __init__(self) -> None:
         self._by_address: dict[str, OrderedDict[Connection, None]] = {}
 
-    def add(self, conn: Connection, address: str) -> None:
-        conn.address = address
-        self._by_address.setdefault(address, OrderedDict())[conn] = None
+    def add(self, conn: Connection) -> None:
+        self._by_address.setdefault(conn.address, OrderedDict())[conn] = None
 
     def discard(self, conn: Connection) -> None:
         held = self._by_address.get(conn.address)
@@ -171,7 +170,7 @@ class Connection:
         self.opened = time.monotonic()
         self.budget = ReadBudget(limits.read_chars_per_s, 2 * limits.max_frame_bytes, self.opened)
         self.evicted = False  # closed to make room for a newcomer while it had not said hello
-        self.address = ""  # its peer's (set once it is counted among the silent)
+        self.address = peer(ws)  # what the per-address limits count it under
         self._watch = asyncio.ensure_future(ws.wait_closed())
         self._watch.add_done_callback(self._lost)
 
@@ -444,7 +443,7 @@ class SidecarServer:
         session = Session(self.limits, self.metrics.unchanged.inc)
         conn = Connection(ws, session, self.metrics, self.limits, self.pending)
         self.connections[conn.session] = conn
-        self._silent.add(conn, address)
+        self._silent.add(conn)
         self.addresses[address] += 1
         frames = aiter(ws)
         try:

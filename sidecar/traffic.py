@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from .gate import Thresholds
-from .learned import RankerFit, fit_logistic, held_symbolic, logit
+from .learned import RankerFit, fit_logistic, held_views, logit
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -373,7 +373,7 @@ class TrafficFit(msgspec.Struct, frozen=True):
         views = with_lesson(pipeline, seen).views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
         features = np.stack([v.features for v in views])
         own = pipeline.own_for("user")  # the action views keep the weights of the ranker in force
-        held = held_symbolic(own.ranker if own else pipeline.ranker, features.shape[-1])
+        held = held_views(own.ranker if own else pipeline.ranker, features.shape[-1])
         w = RankerFit().weights(features, [[column[truth[i]]] for i in rows], fixed=held)
         return np.asarray(w, np.float32)
 

@@ -23,7 +23,7 @@ from .evaluate import Labeled, auroc, baselines, description_vectors, gate_repor
 from ..gate import PathKind, Thresholds, fires, route
 from ..index import embed_cached, wants_classifier
 from ..learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
-                       held_symbolic, match, rank_features)
+                       held_views, match, rank_features)
 from ..lexical import LexicalIndex
 from ..pipeline import Pipeline, Request, Views, from_config
 from ..store import Store
@@ -458,7 +458,7 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     feats, wanted = features[rows], [targets[k] for k in rows]
     shown = None if offered is None else offered[rows]
     base = builtin(pipe.embedder.name)
-    held = held_symbolic(base.ranker if base is not None else None, feats.shape[-1])
+    held = held_views(base.ranker if base is not None else None, feats.shape[-1])
     ranker = Ranker(RankerFit().weights(feats, wanted, shown, fixed=held))  # the action views' weights are the built-in's
     unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
