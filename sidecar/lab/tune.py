@@ -460,7 +460,7 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     base = builtin(pipe.embedder.name)
     held = held_views(base.ranker if base is not None else None, feats.shape[-1])
     ranker = Ranker(RankerFit().weights(feats, wanted, shown, fixed=held))  # the action views' weights are the built-in's
-    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier")).astype(np.float32)  # the views the adapter does not touch
+    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier", "sure_lexical")).astype(np.float32)  # the views the adapter does not touch
     fixed = ranker.score(feats * unmoved)
     adapter = AdapterFit().fit(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
     return Ranker(ranker.weights, adapter)
