@@ -288,7 +288,9 @@ def held_views(base: Ranker | None, views: int) -> list[float | None]:
     lets a few sparse views separate what they saw and nothing else (the action views
     refitted on 16 texts: gate probabilities of exactly 0 and 1; on BFCL live traffic:
     precision 7 points down); a catalog's cases lie close to their own server's other tools,
-    so on them the server view would look surer than on requests."""
+    so on them the server view would look surer than on requests; and the sure-lexical view
+    is 0 for all but the few long texts that repeat a tool's words, too few to weigh in a tune
+    or a traffic log."""
     weights = [*(base.weights if base is not None else ()), *[0.0] * len(RANK_FEATURES)]
     return [weights[j] if j < len(RANK_FEATURES) and RANK_FEATURES[j] in HELD_VIEWS else None for j in range(views)]
 

@@ -129,8 +129,8 @@ class SelfFit(msgspec.Struct, frozen=True):
             cases[lo : lo + 256] = np.maximum.reduceat(sims, index.starts, axis=1)
         bm25 = np.vstack([lexical.scores(index.texts[r]) for r in rows])
         features = rank_features(cosine, bm25, cases, logits, symbolic.views([index.texts[r] for r in rows]), symbolic.servers)
-        # The action, argument and server views keep the built-in weights (`held_views`): on a
-        # tool's own cases they look surer than on requests.
+        # The HELD_VIEWS keep the built-in weights (`held_views`): on a tool's own cases the
+        # word and server views look surer than on requests.
         held = held_views(base, features.shape[-1])
         weights = RankerFit().weights(features, [[int(t)] for t in index.row_tool[rows]], fixed=held)
         return Ranker(weights, base.adapter)
