@@ -151,10 +151,13 @@ async def attack_nesting(url: str, deadline: float, tally: Tally) -> None:
 
 
 async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> None:
-    """Issue 33 #2: a hello with 75,000 globs (964 KB), then one with the most allowed
-    (256 globs of 256 characters) and user turns ranked through them."""
+    """Issue 33 #2: a hello with 75,000 globs (964 KB), then one with the most allowed (new
+    globs each time, as many characters as a hello may hold, stars throughout: the costliest
+    to compile) and user turns ranked through them."""
     huge = [f"*x{i}*z" for i in range(75_000)]
-    most = [f"*x{i}*" + "z" * (250 - len(str(i))) for i in range(p.MAX_PERMISSIONS)]
+
+    def most(i: int) -> list[str]:
+        return [(f"*{i}-{k}" * p.MAX_GLOB_CHARS)[: p.MAX_GLOB_CHARS] for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS)]
 
     async def body(ws, i):
         if i % 2:
@@ -162,7 +165,7 @@ async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> No
             tally.reply(json.dumps(await _hello(ws, f"perm-{i}", permissions=huge)))
             return
         tally.frames += 1
-        tally.reply(json.dumps(await _hello(ws, f"perm-{i}", permissions=most)))
+        tally.reply(json.dumps(await _hello(ws, f"perm-{i}", permissions=most(i))))
         for k in range(20):
             if time.monotonic() >= deadline:
                 return

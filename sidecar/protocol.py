@@ -22,6 +22,9 @@ MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels d
 TOO_DEEP = f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} levels"
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
+# ... and their characters in all: a session's globs are compiled into one regex on the model
+# thread at its first ranking, about 1-3 us a character (8,192: 9-25 ms, once per list).
+MAX_PERMISSION_CHARS = 8192
 # hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
 Resume = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
 
@@ -54,6 +57,10 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
     version: int | None = None  # the client's protocol version
     decisions: bool = False  # opt in to a `decision` message for every judged span (debugging, benchmarks)
     resume: Resume | None = None  # an earlier connection's ready.resume: its refs carry over (a resend counts once)
+
+    def __post_init__(self) -> None:
+        if self.permissions and sum(map(len, self.permissions)) > MAX_PERMISSION_CHARS:
+            raise ValueError(f"permissions hold more than {MAX_PERMISSION_CHARS} characters in all")
 
 
 class User(msgspec.Struct, tag="user", tag_field="type"):

@@ -71,7 +71,7 @@ from .session import (
     session_catalog,
 )
 from .store import Store
-from .telemetry import Metrics, pin_mmap_threshold
+from .telemetry import Metrics, freeze_loaded_heap, pin_mmap_threshold
 from .web import Web, peer
 
 log = logging.getLogger("sidecar.server")
@@ -866,6 +866,7 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
         announce(f"error: {server.load_error}")
         status = 2
     elif server.engine is not None:  # only now, with everything loaded, does it say where it listens
+        freeze_loaded_heap()  # what loaded stays for the process: full collections need not scan it
         announce(listening(server))
         await stopping
     announce("shutting down")

@@ -4,6 +4,7 @@ checks here are pure and bounded by generous walls (100x the linear cost), not s
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import time
 
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 
 from sidecar import cases, protocol as p
+from sidecar.recommend import filters
 from sidecar.catalog import Tool
 
 
@@ -104,6 +106,26 @@ def test_hello_caps_the_permissions_list():
     assert e.value.code == "invalid_field" and "permissions" in e.value.message
     with pytest.raises(p.ProtocolError):
         p.decode_client(json.dumps({**ok, "permissions": ["x" * (p.MAX_GLOB_CHARS + 1)]}))
+    longest = p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS
+    assert isinstance(p.decode_client(json.dumps({**ok, "permissions": ["*a" * (p.MAX_GLOB_CHARS // 2)] * longest})), p.Hello)
+    with pytest.raises(p.ProtocolError) as e:  # their characters in all: compiled on the model thread
+        p.decode_client(json.dumps({**ok, "permissions": ["*a" * (p.MAX_GLOB_CHARS // 2)] * (longest + 1)}))
+    assert e.value.code == "invalid_field" and "permissions" in e.value.message
+
+
+def test_a_sessions_globs_compile_once_as_one_regex_that_does_not_backtrack():
+    """Globs of the most characters a hello may hold, stars throughout, are compiled once and
+    matched within a bound; they match as fnmatch does."""
+    globs = tuple((f"*{k}-" * p.MAX_GLOB_CHARS)[: p.MAX_GLOB_CHARS] for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS))
+    compiled = _within(2.0, filters._globs, globs)
+    assert filters._globs(globs) is compiled
+    name = "1-" * 80 + "x"  # holds all but a few of the second glob's 85 parts: a backtracking matcher's worst
+    assert _within(0.5, compiled.match, name) is None
+    samples = ["git__*", "*read*", "notes__?ead_note", "[!x]*__list_*", "exact_name"]
+    for tool in ["git__status", "notes__read_note", "filesystem__read_file", "exact_name", "a__list_b", "x__list_b"]:
+        for glob in samples:
+            assert (filters._globs((glob,)).match(tool) is not None) == fnmatch.fnmatchcase(tool, glob), (tool, glob)
+    assert filters._globs(()).match("anything") is None  # an empty allow list allows nothing
 
 
 @pytest.mark.parametrize("description", [

@@ -18,6 +18,7 @@ from sidecar import models, pipeline
 from sidecar.config import RecommendConfig
 from sidecar.metrics import Feedback, MetricsStore
 from sidecar.recommend import Context, Permissions, Recommender
+from sidecar.recommend import filters as F
 from sidecar.recommend import learn
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
@@ -193,6 +194,32 @@ def test_context_filters(merged_small, metrics, clock):
     assert "server filesystem is failing" in down.excluded.values()
     clock.t += 3600  # the window passed: back in
     assert any(x.tool.startswith("filesystem__") for x in r.recommend("save a text file", top=10).results)
+
+
+def test_a_sessions_globs_are_matched_once_and_the_metrics_read_once_a_ranking(merged_small, metrics, clock, monkeypatch):
+    """Issue 33: each tool the globs excluded was explained by matching every glob again and
+    reading the metrics store again, on every ranking (256 long globs held the model thread)."""
+    r = Recommender(merged_small, metrics, clock=clock)
+    ctx = Context(permissions=Permissions(allow=["git__*"]))
+    calls = {"exclusion": 0, "recent": 0}
+    exclusion, recent = F.exclusion, metrics.recent
+
+    def counted(name, real):
+        def call(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return call
+
+    monkeypatch.setattr(F, "exclusion", counted("exclusion", exclusion))
+    monkeypatch.setattr(metrics, "recent", counted("recent", recent))
+    first = r.recommend("save a text file", ctx, top=5)
+    assert first.results and all(x.tool.startswith("git__") for x in first.results)
+    assert len(first.excluded) >= 3 and set(first.excluded.values()) == {"not allowed for this session"}
+    assert calls["exclusion"] == len(merged_small.catalog)  # the context's static mask, once
+    calls.update(exclusion=0, recent=0)
+    second = r.recommend("write these notes into a new file", ctx, top=5)
+    assert len(second.excluded) >= 3 and set(second.excluded.values()) == {"not allowed for this session"}
+    assert calls == {"exclusion": 0, "recent": 1}
 
 
 def test_rate_limit_per_agent(merged_small, metrics, clock):

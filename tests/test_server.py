@@ -967,6 +967,21 @@ def test_the_startup_line_names_the_model_the_catalogs_and_the_store(tmp_path):
                         rf"loaded in [\d.]+ s\)", line), line  # fmt: skip
 
 
+def test_serve_freezes_what_it_loaded_out_of_the_collectors_scans(tmp_path):
+    """A full garbage collection scanned the whole loaded heap holding the GIL: 58-78 ms in
+    which no client was answered (issue 33). `sidecar serve` freezes what it loaded, and
+    /metrics shows it beside the collector's counts."""
+    async def body():
+        with serve_process(serve_args(tmp_path), tmp_path) as served:
+            port = int(served.url.rsplit(":", 1)[1])
+            return parse_metrics((await http_get(port, "/metrics"))[2])
+
+    seen = run(body())
+    assert seen["sidecar_python_frozen_objects"] > 50_000  # the model's wrappers, the catalog, the calibration, the patterns
+    assert 'python_gc_collections_total{generation="2"}' in seen
+    assert 0 <= seen['sidecar_gc_pause_max_seconds{generation="2"}'] <= seen['sidecar_gc_pause_seconds_total{generation="2"}'] + 1e-9
+
+
 def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
     async def body():
         with serve_process(serve_args(tmp_path), tmp_path) as served:

@@ -7,6 +7,8 @@ module only decides. Every exclusion carries a reason, so a missing tool can be 
 from __future__ import annotations
 
 import fnmatch
+import functools
+import re
 from collections.abc import Mapping
 
 import msgspec
@@ -81,7 +83,17 @@ def _norm(tag: str) -> str:
 
 
 def _matches(tool: Tool, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(tool.name, p) or fnmatch.fnmatchcase(tool.bare_name, p) for p in patterns)
+    glob = _globs(tuple(patterns))
+    return glob.match(tool.name) is not None or glob.match(tool.bare_name) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _globs(patterns: tuple[str, ...]) -> re.Pattern:
+    """One compiled alternation of a session's globs: matching a name is one pass of the
+    regex engine, not one Python call per glob (fnmatch's own cache holds 32,768 globs, so
+    hellos of many long lists recompiled them on every match: issue 33). fnmatch translates
+    every star but the last into an atomic group, so no glob backtracks."""
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns) or "(?!)")
 
 
 def exclusion(tool: Tool, prof: ToolProfile, tags: Tags, ctx: Context, facts: Facts) -> str | None:

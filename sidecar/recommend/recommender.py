@@ -101,7 +101,7 @@ class _State:
                 inv["domain"].setdefault(d, []).append(i)
         self.inverted = {kind: {k: np.asarray(v, np.int64) for k, v in d.items()} for kind, d in inv.items()}
         self._lexical: LexicalIndex | None = None
-        self.static_masks: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self.static_masks: collections.OrderedDict[bytes, tuple[np.ndarray, list[str | None]]] = collections.OrderedDict()
         self.index_maps: dict[int, tuple[object, np.ndarray]] = {}
         self.centroids: dict[int, tuple[object, np.ndarray]] = {}
         self.lock = threading.Lock()
@@ -222,7 +222,7 @@ class Recommender:
         cents = self._centroids(state, ctx.source)
         sims = cents @ cents[pos]
         sims[pos] = -np.inf
-        allowed = self._allowed(state, ctx, exempt_server=failed_server)
+        allowed = self._allowed(state, ctx, self._facts(ctx), exempt_server=failed_server)
         sims = np.where(allowed, sims, -np.inf)
         pool = [int(i) for i in np.argsort(-sims, kind="stable")[: max(self.cfg.candidates, max_n)] if np.isfinite(sims[i])]
         history = self._history_for(None)
@@ -295,7 +295,8 @@ class Recommender:
             base = sem
         else:
             base = share * sem + (1 - share) * lex * max(float(sem.max()), 0.0)
-        allowed = self._allowed(state, ctx) if filtered else np.ones(n, bool)
+        facts = self._facts(ctx) if filtered else F.Facts()  # read once a ranking: a store query
+        allowed = self._allowed(state, ctx, facts) if filtered else np.ones(n, bool)
         k = self.cfg.candidates
         picked: dict[int, None] = {}
         excluded: dict[str, str] = {}
@@ -304,7 +305,7 @@ class Recommender:
                 if allowed[i]:
                     picked[int(i)] = None
                 elif state.names[i] not in excluded:
-                    excluded[state.names[i]] = self._reason(state, int(i), ctx)
+                    excluded[state.names[i]] = self._reason(state, int(i), ctx, facts)
             masked = np.where(allowed, scores, -np.inf)
             for i in _top(masked, k, positive=scores is lex):  # refill what the filters took
                 picked[int(i)] = None
@@ -387,22 +388,11 @@ class Recommender:
         key = np.where(hits > 0, key, -np.inf)
         return _top(key, k, positive=False)
 
-    def _allowed(self, state: _State, ctx: F.Context, exempt_server: str | None = None) -> np.ndarray:
+    def _allowed(self, state: _State, ctx: F.Context, facts: F.Facts, exempt_server: str | None = None) -> np.ndarray:
         """Mask of the tools the context permits now: static exclusions (permissions, project
-        tags) cached per context, then failing servers and rate limits from the metrics."""
-        skey = ctx.static_key()
-        with state.lock:
-            mask = state.static_masks.get(skey)
-            if mask is None:
-                static_ctx = F.Context(permissions=ctx.permissions, project_tags=ctx.project_tags)
-                mask = np.asarray([F.exclusion(t, p, g, static_ctx, F.Facts()) is None
-                                   for t, p, g in zip(state.tools, state.profiles, state.tags)], bool)  # fmt: skip
-                state.static_masks[skey] = mask
-                while len(state.static_masks) > 64:
-                    state.static_masks.popitem(last=False)
-        facts = self._facts(ctx)
+        tags) cached per context, then failing servers and rate limits from `facts`."""
+        out = self._static(state, ctx)[0].copy()
         down = (set(facts.failing_servers) | set(ctx.unavailable_servers)) - {exempt_server}
-        out = mask.copy()
         ids = [state.server_ids[s] for s in down if s in state.server_ids]
         if ids:
             out &= ~np.isin(state.server_of, ids)
@@ -413,6 +403,22 @@ class Recommender:
                         if k == key:
                             out[i] = False
         return out
+
+    def _static(self, state: _State, ctx: F.Context) -> tuple[np.ndarray, list[str | None]]:
+        """Each tool's static exclusion (permissions, project tags) in this context, and the
+        mask of those with none, decided once per context: a session's globs are matched
+        against the catalog once, not on every ranking (256 globs of a hello held the model
+        thread, issue 33)."""
+        skey = ctx.static_key()
+        with state.lock:
+            found = state.static_masks.get(skey)
+            if found is None:
+                static_ctx = F.Context(permissions=ctx.permissions, project_tags=ctx.project_tags)
+                reasons = [F.exclusion(t, p, g, static_ctx, F.Facts()) for t, p, g in zip(state.tools, state.profiles, state.tags)]
+                found = state.static_masks[skey] = (np.asarray([r is None for r in reasons], bool), reasons)
+                while len(state.static_masks) > 64:
+                    state.static_masks.popitem(last=False)
+        return found
 
     def _facts(self, ctx: F.Context) -> F.Facts:
         """What the metrics say now. A server is failing for everyone once its recent calls
@@ -439,8 +445,11 @@ class Recommender:
             calls = {k: c.calls for k, c in self.metrics.recent(cfg.rate_limit_window_s, agent=ctx.agent).items()}
         return F.Facts(failing, calls, cfg.rate_limit_calls)
 
-    def _reason(self, state: _State, i: int, ctx: F.Context) -> str:
-        why = F.exclusion(state.tools[i], state.profiles[i], state.tags[i], ctx, self._facts(ctx))
+    def _reason(self, state: _State, i: int, ctx: F.Context, facts: F.Facts) -> str:
+        why = self._static(state, ctx)[1][i]
+        if why is None:  # then the metrics': the static part is not matched again
+            dynamic = F.Context(agent=ctx.agent, unavailable_servers=ctx.unavailable_servers, source=ctx.source)
+            why = F.exclusion(state.tools[i], state.profiles[i], state.tags[i], dynamic, facts)
         return why or "excluded"
 
     # --- history -------------------------------------------------------------------------
