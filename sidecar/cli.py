@@ -127,28 +127,29 @@ def cmd_learn(args: argparse.Namespace) -> int:
 def _learn_traffic(args: argparse.Namespace, engine) -> int:
     """`learn --traffic`: the examples the server recorded (and those read from chat logs with
     `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
-    from .traffic import TrafficFit, TrafficLog, transcript_turns
+    from .learner import learn, traffic_log
+    from .traffic import log_examples
     from .transcripts import read_transcripts
 
-    lc = engine.cfg.learn
-    tlog = TrafficLog(engine.store, engine.pipeline.embedder.identity, lc.max_examples, lc.session_share)
+    tlog = traffic_log(engine)
     if args.reset_traffic:
         print(f"forgot {tlog.reset()} traffic examples")
         return 0
     if args.logs:
-        turns = transcript_turns(read_transcripts(args.logs, engine.catalog))
-        vectors = engine.pipeline.queries.embed(engine.pipeline.embedder, [t.text for t in turns]).vectors
-        for t, v in zip(turns, vectors):
-            t.vector = v
-        kept = tlog.add([e for t in turns for e in t.examples("log:" + t.ref.rsplit(":", 1)[0])])
+        turns, examples = log_examples(engine.pipeline, read_transcripts(args.logs, engine.catalog))
+        kept = tlog.add(examples)
         if not args.json:
             print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
     summary = tlog.summary()
-    lesson, outcome = TrafficFit().fit(engine.pipeline, tlog.examples())
+    lesson, outcome = learn(engine, tlog)
+    rules = [r for rs in engine.sequences.rules.values() for r in rs]
     if args.json:
-        _print_json({"examples": summary, "fit": outcome, "in_use": lesson is not None})
+        _print_json({"examples": summary, "fit": outcome, "in_use": lesson is not None,
+                     "sequences": {"sessions": engine.sequences.sessions, "rules": rules}})  # fmt: skip
         return 0
     print(f"{summary['called']} turns followed by a call, {summary['silent']} by none, from {summary['sessions']} sessions")
+    print(f"{len(rules)} tools that go with another, from {engine.sequences.sessions} sessions of calls" + "".join(
+        f"\n  {r.tool}: {r.why}" for r in sorted(rules, key=lambda r: -r.together)[:10]))  # fmt: skip
     for tool, n in list(summary["tools"].items())[:10]:
         print(f"  {n:5d}  {tool}")
     cal, got = outcome.calibration, outcome.learned
@@ -378,6 +379,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from . import replay
     from .client import SidecarError
     from .engine import Sidecar
+    from .learner import apply_learned
 
     cfg = _config(args)
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
@@ -385,6 +387,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         engine = Sidecar.open(cfg, progress=not args.quiet)
         conversations = replay.read_transcripts(args.transcripts, engine.catalog)
+        learned = apply_learned(engine)  # as `serve` would: what the store's traffic and chat logs taught
+        if learned is not None and not args.quiet and (engine.pipeline.learned is not None or len(engine.sequences)):
+            print(f"sidecar: applying what the store learned from {learned.examples} traffic examples"
+                  f" ({'a lesson' if engine.pipeline.learned is not None else 'no lesson'}, {len(engine.sequences)} tools that go with another)",
+                  file=sys.stderr)  # fmt: skip
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
     with progress.bar(total, "replaying", not args.quiet) as bar:
         if args.url:

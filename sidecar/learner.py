@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .config import LearnConfig
 from .recommend.sequences import SequenceFit
-from .traffic import Outcome, TrafficFit, TrafficLog, Turn
+from .traffic import Learned, Outcome, TrafficFit, TrafficLog, Turn
 
 if TYPE_CHECKING:
     from .engine import Sidecar
@@ -24,12 +24,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.server")
 
 
+def learn(engine: Sidecar, tlog: TrafficLog, fit: TrafficFit = TrafficFit(), sequences: SequenceFit = SequenceFit()) -> tuple[Learned | None, Outcome]:
+    """What `engine` learns from what it saw: the tools that go together, from each recorded
+    turn's calls (and the call log of connections that report no turns), set on the engine at
+    once, and the catalog's lesson from the turns (returned with how it judged; the caller swaps
+    it in)."""
+    turns, seen = tlog.turn_calls()
+    calls = engine.history.call_sequences(engine.catalog, skip=seen) if engine.history is not None else []
+    engine.sequences.update(sequences.fit(turns + calls, "turns" if turns else "sessions"))
+    return fit.fit(engine.pipeline, tlog.examples(), source=f"traffic: {engine.store.location}")
+
+
+def traffic_log(engine: Sidecar, cfg: LearnConfig | None = None) -> TrafficLog:
+    """The store's traffic examples for `engine`'s model, bounded as `cfg` says (default: the engine's `[learn]`)."""
+    lc = cfg or engine.cfg.learn
+    return TrafficLog(engine.store, engine.pipeline.embedder.identity, lc.max_examples, lc.session_share)
+
+
+def apply_learned(engine: Sidecar) -> Outcome | None:
+    """What `serve` does when it starts, for an engine used in-process (`replay`): learn from
+    what its store recorded (turns, chat logs read by `learn --from`, the call log) and apply
+    it. None when `[learn] traffic` is off or there is no store."""
+    if not engine.cfg.learn.traffic or engine.store is None:
+        return None
+    lesson, outcome = learn(engine, traffic_log(engine))
+    engine.pipeline.learned = lesson
+    return outcome
+
+
 class Learner:
     def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit = TrafficFit(),
                  sequences: SequenceFit = SequenceFit()):  # fmt: skip
         assert engine.store is not None
         self.engine = engine
-        self.log = TrafficLog(engine.store, engine.pipeline.embedder.identity, cfg.max_examples, cfg.session_share)
+        self.log = traffic_log(engine, cfg)
         self.fit = fit
         self.sequences = sequences
         self.every = cfg.refit_every
@@ -89,10 +117,7 @@ class Learner:
         return outcome
 
     def _fit(self):
-        engine = self.engine
-        if engine.history is not None:
-            engine.sequences.update(self.sequences.fit(engine.history.call_sequences(engine.catalog)))
-        return self.fit.fit(engine.pipeline, self.log.examples(), source=f"traffic: {engine.store.location}")
+        return learn(self.engine, self.log, self.fit, self.sequences)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

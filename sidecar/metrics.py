@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime, timezone
 
 import msgspec
@@ -512,15 +512,16 @@ class MetricsStore:
         )
         return {s: (int(n), bool(own)) for s, n, own in rows}
 
-    def call_sequences(self, catalog: Catalog, limit: int = 50_000) -> list[list[str]]:
+    def call_sequences(self, catalog: Catalog, limit: int = 50_000, skip: Collection[str] = ()) -> list[list[str]]:
         """Each connection's calls of `catalog`'s tools in the order reported (the raw log's,
         the last `retention_days`; of the latest `limit` calls): what `SequenceFit` learns
-        which tools go together from. This process's own calls (no reporter) are left out."""
+        which tools go together from. This process's own calls (no reporter) are left out, and
+        the connections in `skip` (those whose user turns say which calls went together)."""
         names = {key_of(catalog, t.name): t.name for t in catalog}
         rows = self.store.query("SELECT reporter, server, tool FROM tool_calls WHERE reporter IS NOT NULL ORDER BY id DESC LIMIT ?", (limit,))
         by: dict[str, list[str]] = {}
         for reporter, server, tool in reversed(rows):
-            if (name := names.get((server, tool))) is not None:
+            if (name := names.get((server, tool))) is not None and reporter not in skip:
                 by.setdefault(reporter, []).append(name)
         return list(by.values())
 

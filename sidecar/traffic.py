@@ -102,6 +102,26 @@ class Turns:
         return t
 
 
+def turns_of(examples: Sequence[Example]) -> list[list[int]]:
+    """The examples of each turn (same session, same text), in the order first seen."""
+    turns: dict[tuple[str, str], list[int]] = {}
+    for i, e in enumerate(examples):
+        turns.setdefault((e.session, e.text), []).append(i)
+    return list(turns.values())
+
+
+LOG_SESSION = "log:"  # the session of a chat log's conversation: "log:" + its id (a live one is a connection id)
+
+
+def log_examples(pipeline: Pipeline, conversations: Sequence[Conversation]) -> tuple[list[Turn], list[Example]]:
+    """Chat logs' user turns, embedded, and their examples, one session per conversation."""
+    turns = transcript_turns(conversations)
+    vectors = pipeline.queries.embed(pipeline.embedder, [t.text for t in turns]).vectors
+    for t, v in zip(turns, vectors):
+        t.vector = v
+    return turns, [e for t in turns for e in t.examples(LOG_SESSION + t.ref.rsplit(":", 1)[0])]
+
+
 def transcript_turns(conversations: Sequence[Conversation]) -> list[Turn]:
     """Chat logs' user turns, each with the tools the model called before the next user turn."""
     out: list[Turn] = []
@@ -167,6 +187,20 @@ class TrafficLog:
         """This model's examples, oldest first."""
         rows = self.store.query("SELECT text, tool, vector, session FROM traffic_examples WHERE model = ? ORDER BY id", (self.model,))
         return [Example(t, tool, np.frombuffer(v, np.float16).astype(np.float32), s) for t, tool, v, s in rows]
+
+    def turn_calls(self) -> tuple[list[list[str]], set[str]]:
+        """Each recorded user turn's tools in the order called (a turn is one example per tool,
+        in a row), live and chat logs' alike, and the sessions they came from: what the tools
+        that go together are learned from."""
+        rows = self.store.query("SELECT session, text, tool FROM traffic_examples WHERE model = ? AND tool IS NOT NULL ORDER BY id", (self.model,))
+        turns: list[list[str]] = []
+        last = None
+        for session, text, tool in rows:
+            if (session, text) != last:
+                turns.append([])
+                last = (session, text)
+            turns[-1].append(tool)
+        return turns, {session for session, _, _ in rows}
 
     def summary(self) -> dict[str, object]:
         rows = self.store.query("SELECT tool, COUNT(*), COUNT(DISTINCT session) FROM traffic_examples WHERE model = ? GROUP BY tool", (self.model,))
@@ -312,17 +346,24 @@ class TrafficFit(msgspec.Struct, frozen=True):
             why = f"{len(usable)} usable examples ({called} called): at least {self.min_examples}, some called, needed"
             nothing = Rates(math.nan, math.nan)
             return None, Outcome(len(usable), called, silent, nothing, nothing, None, False, round(time.perf_counter() - t0, 3), why)
-        vectors = np.vstack([e.vector for e in usable]).astype(np.float32)
-        truth = [e.tool for e in usable]
-        texts = [e.text for e in usable]
-        folds = np.random.default_rng(self.seed).permutation(len(usable)) % self.folds
-        p_oof = np.zeros(len(usable))
-        near = np.zeros((len(usable), 2))
-        first_oof: list[str | None] = [None] * len(usable)
+        # One judged row per turn: a turn that called several tools is one example per tool,
+        # right when its first tool is any of them, and never split between folds (its text
+        # in training as a case of one tool would judge itself as another's).
+        members = turns_of(usable)
+        vectors = np.vstack([usable[ix[0]].vector for ix in members]).astype(np.float32)
+        truth = [frozenset(usable[i].tool for i in ix if usable[i].tool is not None) for ix in members]
+        texts = [usable[ix[0]].text for ix in members]
+        folds = np.random.default_rng(self.seed).permutation(len(members)) % self.folds
+        fold_of = np.empty(len(usable), np.int64)
+        for f, ix in zip(folds, members):
+            fold_of[ix] = f
+        p_oof = np.zeros(len(members))
+        near = np.zeros((len(members), 2))
+        first_oof: list[str | None] = [None] * len(members)
         for f in range(self.folds):
             test = np.flatnonzero(folds == f)
             train = np.flatnonzero(folds != f)
-            seen = Learned.of([usable[i] for i in train], names)
+            seen = Learned.of([usable[i] for i in np.flatnonzero(fold_of != f)], names)
             seen.weights = self._weights(pipeline, [texts[i] for i in train], vectors[train], [truth[i] for i in train], seen, names)
             p, first = judge_vectors(pipeline, [texts[i] for i in test], vectors[test], seen)
             p_oof[test] = p
@@ -344,12 +385,12 @@ class TrafficFit(msgspec.Struct, frozen=True):
                           gate is not None)  # fmt: skip
         return lesson, outcome
 
-    def _gate(self, p: np.ndarray, near: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], folds: np.ndarray,
+    def _gate(self, p: np.ndarray, near: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], folds: np.ndarray,
               precision: float) -> tuple[float | None, TrafficGate | None, np.ndarray]:  # fmt: skip
         """The lesson's bar, on the probability as it is or recalibrated on the turns (`TrafficGate`,
         judged out of fold too), whichever then has more recall at `precision`: (bar, gate or
         None, the out-of-fold probabilities the bar is on)."""
-        y = np.array([t is not None for t in truth])
+        y = np.array([bool(_accepted(t)) for t in truth])
         recal = np.zeros(len(p))
         for f in range(self.folds):
             test = folds == f
@@ -360,21 +401,21 @@ class TrafficFit(msgspec.Struct, frozen=True):
             return tuned, TrafficGate.fit(p, *near.T, y), recal
         return plain, None, p
 
-    def _weights(self, pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, truth: Sequence[str | None], seen: Learned,
+    def _weights(self, pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, truth: Sequence[Called], seen: Learned,
                  names: Sequence[str]) -> np.ndarray | None:  # fmt: skip
         """The lesson's ranker: view weights (the calibration's views and the called turns')
         fitted on the called turns, each without itself among the turns; None with too few."""
         from .pipeline import Request
 
         column = {n: j for j, n in enumerate(names)}
-        rows = [i for i, t in enumerate(truth) if t is not None][-self.max_rank_rows :]
+        rows = [i for i, t in enumerate(truth) if _accepted(t) & column.keys()][-self.max_rank_rows :]
         if len(rows) < self.min_called:
             return None
         views = with_lesson(pipeline, seen).views([Request(texts[i], "user") for i in rows], vectors[rows], exclude_self=True)
         features = np.stack([v.features for v in views])
         own = pipeline.own_for("user")  # the action views keep the weights of the ranker in force
         held = held_views(own.ranker if own else pipeline.ranker, features.shape[-1])
-        w = RankerFit().weights(features, [[column[truth[i]]] for i in rows], fixed=held)
+        w = RankerFit().weights(features, [sorted(column[t] for t in _accepted(truth[i]) if t in column) for i in rows], fixed=held)
         return np.asarray(w, np.float32)
 
 
@@ -407,14 +448,21 @@ class Rates(msgspec.Struct):
     precision: float
 
 
-def rates(p: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], bar: float) -> Rates:
+Called = str | frozenset[str] | None  # what a turn called: a tool, any of several, or none
+
+
+def _accepted(t: Called) -> frozenset[str]:
+    return frozenset() if t is None else frozenset((t,)) if isinstance(t, str) else t
+
+
+def rates(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], bar: float) -> Rates:
     fired = p >= bar
-    right = np.array([f == t and t is not None for f, t in zip(first, truth)]) & fired
-    called = sum(t is not None for t in truth)
+    right = np.array([f is not None and f in _accepted(t) for f, t in zip(first, truth)]) & fired
+    called = sum(bool(_accepted(t)) for t in truth)
     return Rates(round(float(right.sum() / max(called, 1)), 4), round(float(right.sum() / fired.sum()), 4) if fired.any() else 0.0)
 
 
-def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[str | None], precision: float, z: float = 1.0) -> float | None:
+def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], precision: float, z: float = 1.0) -> float | None:
     """The bar with the most recall whose precision stays at `precision` or above with some
     confidence: its precision less `z` standard errors (of equal recalls, the higher bar).
     None when no bar does. The standard error keeps a bar fitted on a few hundred turns from

@@ -21,6 +21,7 @@ from sidecar.recommend import Context, Permissions, Recommender
 from sidecar.recommend import filters as F
 from sidecar.recommend import learn
 from sidecar.store import Store
+from sidecar.traffic import Example, Learned
 from tests.conftest import CATALOGS, ROOT
 
 FS = CATALOGS / "filesystem.json"
@@ -220,6 +221,23 @@ def test_a_sessions_globs_are_matched_once_and_the_metrics_read_once_a_ranking(m
     second = r.recommend("write these notes into a new file", ctx, top=5)
     assert len(second.excluded) >= 3 and set(second.excluded.values()) == {"not allowed for this session"}
     assert calls == {"exclusion": 0, "recent": 1}
+
+
+def test_a_lesson_swapped_in_is_not_hidden_by_rankings_cached_before_it(merged_small, metrics, clock):
+    """The learner swaps a lesson from traffic into the pipeline; rankings cached under the
+    one before it (for cache_ttl_s) kept ranking user turns the old way."""
+    r = Recommender(merged_small, metrics, clock=clock)
+    ask = "keep this paragraph for later"
+    assert not r.recommend(ask).cached and r.recommend(ask).cached
+    vector = merged_small.embedder.embed([ask], "query").vectors[0]
+    merged_small.learned = Learned.of([Example(ask, "notes__create_note", vector, "s")], merged_small.catalog.names())
+    try:
+        again = r.recommend(ask)
+        assert not again.cached
+        assert again.results[0].tool == "notes__create_note"  # the turn it learned from, as a case of its tool
+        assert r.recommend(ask).cached
+    finally:
+        merged_small.learned = None
 
 
 def test_rate_limit_per_agent(merged_small, metrics, clock):

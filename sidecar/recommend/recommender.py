@@ -127,7 +127,7 @@ class Recommender:
         self.cfg = cfg or RecommendConfig()
         self.clock = clock or (metrics.clock if metrics is not None else time.time)  # one clock with the store
         self._state: _State | None = None
-        self._cache: collections.OrderedDict[tuple, tuple[float, int, object, Recommendations]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, tuple[float, int, object, object, Recommendations]] = collections.OrderedDict()
         self._history: tuple[int, dict] | None = None
         self._lock = threading.Lock()
         self.history_errors = 0  # rankings made on neutral history because the store could not be read
@@ -173,8 +173,9 @@ class Recommender:
             with self._lock:
                 hit = self._cache.get(key)
                 if hit is not None:
-                    at, gen, cat, res = hit
-                    if gen == generation and cat is state.catalog and now - at < self.cfg.cache_ttl_s:
+                    at, gen, cat, lesson, res = hit
+                    # a lesson swapped in from traffic ranks user turns anew: what it replaced is stale
+                    if gen == generation and cat is state.catalog and lesson is self.pipeline.learned and now - at < self.cfg.cache_ttl_s:
                         self._cache.move_to_end(key)
                         return msgspec.structs.replace(res, cached=True, timing_ms=(time.perf_counter() - t0) * 1000)
                     del self._cache[key]
@@ -183,7 +184,7 @@ class Recommender:
         res.timing_ms = (time.perf_counter() - t0) * 1000
         if weights is None and self.cfg.cache_ttl_s > 0 and generation is not None:  # a blind ranking is not kept
             with self._lock:
-                self._cache[key] = (now, generation, state.catalog, res)
+                self._cache[key] = (now, generation, state.catalog, self.pipeline.learned, res)
                 while len(self._cache) > self.cfg.cache_size:
                     self._cache.popitem(last=False)
         return res

@@ -1,8 +1,12 @@
 """Which tools go together, learned from the order tools were called in (issue 31): "called
 before move_file in 41 of 50 sessions". Pure: call sequences in, rules out.
 
-A session is one connection's calls in time order (the metrics store's `tool_calls`, by the
-connection that reported them). Tool `b` *follows* `a` in a session when it is called within
+A session is one user turn's calls in the order made (a chat log's or a live connection's, from
+the traffic log), or, for a connection that reports calls but no user turns, its calls in time
+order (the metrics store's `tool_calls`, by the connection that reported them). Turns are the
+sharper unit: a connection's whole log also pairs each turn's tools with the next turn's (on
+BFCL's multi-turn logs, rules from whole conversations injected 40-60% more tools than they
+found, bench/multi_turn.py). Tool `b` *follows* `a` in a session when it is called within
 `window` calls after `a`; each ordered pair counts once per session. A rule says that when `a`
 is injected, `b` should be too, before it (a prerequisite: b usually precedes a) or after it
 (a usual next step), and holds only with evidence: `min_together` sessions, `min_confidence`
@@ -26,10 +30,11 @@ class Rule(msgspec.Struct, frozen=True):
     together: int  # sessions that called both in that order
     sessions: int  # sessions that called the anchor
     lift: float
+    unit: str = "sessions"  # what `together` and `sessions` count: sessions, or user turns
 
     @property
     def why(self) -> str:
-        return f"called {self.relation} {self.anchor} in {self.together} of {self.sessions} sessions"
+        return f"called {self.relation} {self.anchor} in {self.together} of {self.sessions} {self.unit}"
 
 
 class Sequences:
@@ -63,7 +68,7 @@ class SequenceFit(msgspec.Struct, frozen=True):
     min_confidence: float = 0.5
     min_lift: float = 2.0
 
-    def fit(self, sessions: Iterable[Sequence[str]]) -> Sequences:
+    def fit(self, sessions: Iterable[Sequence[str]], unit: str = "sessions") -> Sequences:
         has: collections.Counter[str] = collections.Counter()
         follows: collections.Counter[tuple[str, str]] = collections.Counter()
         n = 0
@@ -82,5 +87,5 @@ class SequenceFit(msgspec.Struct, frozen=True):
                 confidence = together / has[anchor]
                 lift = confidence / (has[tool] / n)
                 if confidence >= self.min_confidence and lift >= self.min_lift:
-                    rules.append(Rule(tool, anchor, relation, together, has[anchor], round(lift, 2)))
+                    rules.append(Rule(tool, anchor, relation, together, has[anchor], round(lift, 2), unit))
         return Sequences(rules, n)
