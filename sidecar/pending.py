@@ -51,6 +51,7 @@ class Pending:
         self.weight_total = 0.0
         self._weights: Counter[Any] = Counter()  # connection -> the weight it has waiting
         self.dropped: Counter[str] = Counter({r: 0 for r in REASONS})
+        self.shed_weight: Counter[Any] = Counter()  # connection -> the weight shed from it, until `take_shed`
         # connection -> its evaluations by key, oldest first; the connections in round-robin
         # order (one that was served moves to the back)
         self._groups: OrderedDict[Any, OrderedDict[object, Any]] = OrderedDict()
@@ -161,6 +162,7 @@ class Pending:
                 self._forget(items.pop(key))
                 total -= c
                 owed[g] -= c
+                self.shed_weight[g] += c
                 n += 1
             if not spans:
                 order[g].pop(0)
@@ -170,6 +172,11 @@ class Pending:
                 heapq.heappush(heap, (-owed[g], tie, g))
         self.dropped["shed"] += n
         return n
+
+    def take_shed(self) -> Counter[Any]:
+        """The weight shed from each connection since the last call."""
+        out, self.shed_weight = self.shed_weight, Counter()
+        return out
 
     def discard(self, group: Any) -> int:
         """Forget a connection's waiting spans (it closed); returns how many."""

@@ -169,6 +169,7 @@ class Connection:
         self.lost = False  # the connection closed (frames still buffered are not worked through)
         self.opened = time.monotonic()
         self.budget = ReadBudget(limits.read_chars_per_s, 2 * limits.max_frame_bytes, self.opened)
+        self.held_until = self.opened  # not read before (spans of its were shed: `hold`)
         self.evicted = False  # closed to make room for a newcomer while it had not said hello
         self.address = peer(ws)  # what the per-address limits count it under
         self._watch = asyncio.ensure_future(ws.wait_closed())
@@ -201,6 +202,13 @@ class Connection:
     def wake(self) -> None:
         """Some of its work was taken or answered: a paused reader may be under quota."""
         self._room.set()
+
+    def hold(self, seconds: float, most: float) -> None:
+        """Its spans were shed, `seconds` of the model's work: its next frames are read that
+        much later (at most `most` ahead of now), so a client sending faster than the model
+        judges costs the event loop what it is answered, not every frame it can send."""
+        now = time.monotonic()
+        self.held_until = min(max(self.held_until, now) + seconds, now + most)
 
     def taken(self) -> None:
         """The dispatcher took a batch: the `end`s read so far wait on the model thread now."""
@@ -464,6 +472,9 @@ class SidecarServer:
                     break
                 await self._on_frame(conn, frame)
                 await conn.room()
+                if (held := conn.held_until - time.monotonic()) > 0:  # its spans were shed: read it no faster than the model judges
+                    self.metrics.throttled.inc(held)
+                    await asyncio.sleep(held)
                 await asyncio.sleep(0)  # the event loop's fair share: one frame, then every other ready connection's turn
                 if (wait := conn.budget.charge(len(frame), time.monotonic())) > 0:  # ... and no more than read_chars_per_s
                     self.metrics.throttled.inc(wait)
@@ -635,6 +646,10 @@ class SidecarServer:
             budget = batch_ms / 1000 if self._cost_per_char is not None else None
             if self._cost_per_char:  # overload: whole streams go before every stream is late
                 self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
+                sharing = self.pending.owners() | self._answered.keys()
+                for session, chars in self.pending.take_shed().items():  # ... and their senders wait what they would have cost
+                    if (shed := self.connections.get(session)) is not None and sharing - {session}:  # a lone client holds no one up
+                        shed.hold(chars * self._cost_per_char, self.limits.stale_ms / 1000)
             # shared: a span that waited behind a flood's batch is not judged beside a second round of it
             batch = self.pending.take(now, self.limits.max_batch_spans, budget, self._cost, one_round=batch_ms < self.limits.max_batch_ms)
             batch = [ev for ev in batch if not ev.owner.closed]

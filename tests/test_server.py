@@ -430,8 +430,9 @@ def test_overload_drops_are_counted_and_frames_are_still_read(small):
 
 def test_overload_sheds_whole_streams_and_counts_every_span(small):
     """Issue 33 overload policy: once what waits would take the model longer than shed_ms,
-    whole streams are shed, each span counted; every span is either decided or counted, and a
-    quiet connection beside the flood still gets its decision."""
+    whole streams are shed, each span counted; every span is either decided or counted, a
+    quiet connection beside the flood still gets its decision, and the flood's sender is read
+    later by what its shed spans would have cost (its frames cost the event loop no faster)."""
     streams = [f"s{i}" for i in range(16)]
     text = " ".join(f"Clause {i} of the flood is right here." for i in range(12)) + " "
 
@@ -441,6 +442,8 @@ def test_overload_sheds_whole_streams_and_counts_every_span(small):
                 await SidecarClient.connect(srv.url, session="quiet", decisions=True) as quiet:  # fmt: skip
             await sc.user("warm", "hello there")  # the first batch measures the model's cost
             await decisions(sc, 1)
+            await quiet.user("q0", "hello again")  # answered just now: the quiet one shares the model
+            await decisions(quiet, 1)
             for s in streams:
                 await sc.token(s, text)
             await quiet.user("q", SEARCH)
@@ -449,13 +452,15 @@ def test_overload_sheds_whole_streams_and_counts_every_span(small):
             seen = await until(sc, lambda m, ended=set(): isinstance(m, p.Ended) and (ended.add(m.stream) or len(ended) == len(streams)))
             mine = await until(quiet, lambda m: isinstance(m, p.DecisionReport))
             _, _, metrics = await http_get(srv.port, "/metrics")
-            return seen, mine, parse_metrics(metrics)
+            held = {c.session.hello.session: c.held_until > c.opened for c in srv.connections.values()}
+            return seen, mine, parse_metrics(metrics), held
 
-    seen, mine, metrics = run(body())
+    seen, mine, metrics, held = run(body())
     decided = sum(isinstance(m, p.DecisionReport) for m in seen)
     shed = metrics['sidecar_dropped_evaluations_total{reason="shed"}']
     assert shed > 0 and decided + shed == len(streams) * spans_of(text)
     assert mine[-1].stream == "q"
+    assert held == {"flood": True, "quiet": False}  # its next frames wait what its shed spans would have cost
 
 
 # Store ---------------------------------------------------------------------------------

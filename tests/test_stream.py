@@ -153,6 +153,7 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
             q.put(Ev(object(), 0.0, f"b{s}-{k}", owner="busy", stream=f"s{s}"))
     assert q.shed(budget=30.0) == 0  # 27 spans of cost 1 fit
     assert q.shed(budget=12.0) == 15  # flood 20 -> 15 -> 10 -> 5 (busy 6, tied at 10 first)
+    assert q.take_shed() == {"flood": 15.0} and q.take_shed() == {}  # what its sender is held for, once
     left = [e.name for e in q.take(0.0)]
     assert q.dropped["shed"] == 15 and len(left) == 12
     assert "v" in left and sum(n.startswith("b") for n in left) == 6
