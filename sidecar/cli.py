@@ -148,7 +148,8 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
                      "sequences": {"sessions": engine.sequences.sessions, "rules": rules}})  # fmt: skip
         return 0
     print(f"{summary['called']} turns followed by a call, {summary['silent']} by none, from {summary['sessions']} sessions")
-    print(f"{len(rules)} tools that go with another, from {engine.sequences.sessions} sessions of calls" + "".join(
+    unit = rules[0].unit if rules else "sessions"
+    print(f"{len(rules)} tools that go with another, from the calls of {engine.sequences.sessions} {unit}" + "".join(
         f"\n  {r.tool}: {r.why}" for r in sorted(rules, key=lambda r: -r.together)[:10]))  # fmt: skip
     for tool, n in list(summary["tools"].items())[:10]:
         print(f"  {n:5d}  {tool}")
