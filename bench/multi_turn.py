@@ -100,17 +100,16 @@ def cosine_top_k(engine: Sidecar, conversations) -> dict[str, dict[str, float]]:
     order = np.argsort(-(qs @ docs.T), axis=1)
     out = {}
     for label, k_of in (("k = called", len), ("k = 3", lambda _: 3)):
-        right = injected = found = called = 0
+        hits = injected = called = 0  # a called tool among the top k is both a right injection and one found
         for (_, truth), ranked in zip(turns, order):
             want = set(truth)
             if not want:
                 continue
             top = {tools[i].name for i in ranked[: k_of(want)]}
-            right += len(top & want)
+            hits += len(top & want)
             injected += len(top)
-            found += len(top & want)
             called += len(want)
-        out[label] = {"precision": right / injected, "recall": found / called}
+        out[label] = {"precision": hits / injected, "recall": hits / called}
     return out
 
 

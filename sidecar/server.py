@@ -646,10 +646,11 @@ class SidecarServer:
             budget = batch_ms / 1000 if self._cost_per_char is not None else None
             if self._cost_per_char:  # overload: whole streams go before every stream is late
                 self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
-                sharing = self.pending.owners() | self._answered.keys()
-                for session, chars in self.pending.take_shed().items():  # ... and their senders wait what they would have cost
-                    if (shed := self.connections.get(session)) is not None and sharing - {session}:  # a lone client holds no one up
-                        shed.hold(chars * self._cost_per_char, self.limits.stale_ms / 1000)
+                if shed := self.pending.take_shed():  # ... and their senders wait what they would have cost
+                    sharing = self.pending.owners() | self._answered.keys()
+                    for session, chars in shed.items():
+                        if (conn := self.connections.get(session)) is not None and sharing - {session}:  # a lone client holds no one up
+                            conn.hold(chars * self._cost_per_char, self.limits.stale_ms / 1000)
             # shared: a span that waited behind a flood's batch is not judged beside a second round of it
             batch = self.pending.take(now, self.limits.max_batch_spans, budget, self._cost, one_round=batch_ms < self.limits.max_batch_ms)
             batch = [ev for ev in batch if not ev.owner.closed]

@@ -297,6 +297,7 @@ class Recommender:
         else:
             base = share * sem + (1 - share) * lex * max(float(sem.max()), 0.0)
         facts = self._facts(ctx) if filtered else F.Facts()  # read once a ranking: a store query
+        static = self._static(state, ctx)[1] if filtered else []  # each tool's reason, if the context's globs or tags exclude it
         allowed = self._allowed(state, ctx, facts) if filtered else np.ones(n, bool)
         k = self.cfg.candidates
         picked: dict[int, None] = {}
@@ -306,7 +307,7 @@ class Recommender:
                 if allowed[i]:
                     picked[int(i)] = None
                 elif state.names[i] not in excluded:
-                    excluded[state.names[i]] = self._reason(state, int(i), ctx, facts)
+                    excluded[state.names[i]] = self._reason(state, int(i), ctx, facts, static)
             masked = np.where(allowed, scores, -np.inf)
             for i in _top(masked, k, positive=scores is lex):  # refill what the filters took
                 picked[int(i)] = None
@@ -446,8 +447,8 @@ class Recommender:
             calls = {k: c.calls for k, c in self.metrics.recent(cfg.rate_limit_window_s, agent=ctx.agent).items()}
         return F.Facts(failing, calls, cfg.rate_limit_calls)
 
-    def _reason(self, state: _State, i: int, ctx: F.Context, facts: F.Facts) -> str:
-        why = self._static(state, ctx)[1][i]
+    def _reason(self, state: _State, i: int, ctx: F.Context, facts: F.Facts, static: Sequence[str | None]) -> str:
+        why = static[i]
         if why is None:  # then the metrics': the static part is not matched again
             dynamic = F.Context(agent=ctx.agent, unavailable_servers=ctx.unavailable_servers, source=ctx.source)
             why = F.exclusion(state.tools[i], state.profiles[i], state.tags[i], dynamic, facts)
