@@ -152,12 +152,14 @@ async def attack_nesting(url: str, deadline: float, tally: Tally) -> None:
 
 async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> None:
     """Issue 33 #2: a hello with 75,000 globs (964 KB), then one with the most allowed (new
-    globs each time, as many characters as a hello may hold, stars throughout: the costliest
-    to compile) and user turns ranked through them."""
+    globs each time, as many characters as a hello may hold, as many wildcards as a glob may
+    hold: the costliest to compile) and user turns ranked through them."""
     huge = [f"*x{i}*z" for i in range(75_000)]
 
     def most(i: int) -> list[str]:
-        return [(f"*{i}-{k}" * p.MAX_GLOB_CHARS)[: p.MAX_GLOB_CHARS] for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS)]
+        part = p.MAX_GLOB_CHARS // p.MAX_GLOB_WILDCARDS  # 31 characters, then a star
+        return ["".join((f"{i}-{k}-{w}" * part)[: part - 1] + "*" for w in range(p.MAX_GLOB_WILDCARDS))
+                for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS)]  # fmt: skip
 
     async def body(ws, i):
         if i % 2:

@@ -142,10 +142,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # that much estimated work a job: a span that arrives while another connection's batch is
     # judged waits about this, not max_batch_ms (issue 33). A lone stream keeps the big batches.
     shared_batch_ms: float = 40.0
-    # hello.tools may define at most this many new tools; they are embedded on the model
-    # thread catalog_slice_tools at a time, between batches, so other sessions' spans are not
-    # held behind a big catalog.
+    # hello.tools may define at most this many new tools. "beside": they are embedded on a
+    # second context of the model (its own threads, loaded at the first such hello), beside the
+    # judging, so no session's span waits behind another's catalog; "between": on the model
+    # thread, catalog_slice_tools at a time between batches (no second context's memory, but a
+    # span can wait for one slice: a single tool's long text is ~95 ms of MiniLM).
     max_hello_tools: int = 128
+    hello_embed: Literal["beside", "between"] = "beside"
     catalog_slice_tools: int = 8
     session_catalogs: int = 16  # session catalogs (hello.tools) kept built, most recent first
     # Delivery (issue 13 C): at outbox_messages queued for a client the sidecar stops reading

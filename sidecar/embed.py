@@ -7,6 +7,7 @@ so, because a gate that judged half a message without knowing it is wrong silent
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Literal
@@ -92,6 +93,10 @@ class Embedder:
         self.threads = threads
         self.bulk = bulk or bulk_threads()  # threads for calls of BULK_TEXTS texts or more
         self._lock = threading.Lock()
+        self._flash_attn = flash_attn
+        self._beside: tuple[object, threading.Lock] | None = None  # the second context (`beside`), once loaded
+        self._beside_loading = threading.Lock()
+        self._local = threading.local()  # .context: this thread's (llm, lock) while `beside` is in force
 
     @staticmethod
     def _load(path: str, n_ctx: int, threads: int, flash_attn: bool):
@@ -123,38 +128,65 @@ class Embedder:
             return text
         return (self.prefixes[0] if kind == "query" else self.prefixes[1]) + text
 
-    def count_tokens(self, text: str) -> int:
-        with self._lock:
-            return len(self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+    @contextlib.contextmanager
+    def beside(self):
+        """Meanwhile, this thread's calls run on a second context of the same weights, on half
+        the model's threads (one at least; loaded on first use: the weights are mapped once,
+        the context costs its buffers, 152 MB with nomic and 40 MB with MiniLM). A client's
+        tools embedded there never wait for, nor hold up, the texts judged on the first: one
+        text of 512 tokens is about 95 ms of MiniLM, which no slicing between batches can cut
+        (issue 33)."""
+        before = getattr(self._local, "context", None)
+        self._local.context = self._second()
+        try:
+            yield
+        finally:
+            self._local.context = before
 
-    def _fit(self, text: str) -> tuple[str, bool]:
+    def _second(self) -> tuple[object, threading.Lock]:
+        with self._beside_loading:
+            if self._beside is None:
+                self._beside = (self._load(self.path, self.max_tokens, max(1, self.threads // 2), self._flash_attn), threading.Lock())
+            return self._beside
+
+    def _context(self) -> tuple[object, threading.Lock]:
+        """The llama.cpp context this thread embeds on, and its lock."""
+        return getattr(self._local, "context", None) or (self._llm, self._lock)
+
+    def count_tokens(self, text: str) -> int:
+        llm, lock = self._context()
+        with lock:
+            return len(llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+
+    def _fit(self, text: str, llm) -> tuple[str, bool]:
         """Cut `text` to what the model takes, on a token boundary, and say whether we cut."""
         raw = text.encode("utf-8")
         if len(raw) < self.max_tokens:  # a token is at least one byte
             return text, False
-        tokens = self._llm.tokenize(raw, add_bos=False, special=False)
+        tokens = llm.tokenize(raw, add_bos=False, special=False)
         budget = self.max_tokens - 4  # room for BOS/CLS, SEP/EOS
         if len(tokens) <= budget:
             return text, False
-        head = self._llm.detokenize(tokens[:budget]).decode("utf-8", errors="ignore")
+        head = llm.detokenize(tokens[:budget]).decode("utf-8", errors="ignore")
         return head, True
 
     def embed(self, texts: list[str], kind: Kind = "query", bulk: bool = False) -> Embedded:
         """Unit vectors of `texts`. `bulk`: part of a large job, run on `self.bulk` threads."""
         if not texts:
             return Embedded(np.zeros((0, self.dim), np.float32), [])
-        threads = self.bulk if bulk else self.threads
-        with self._lock:
-            fitted = [self._fit(self.prefixed(t, kind)) for t in texts]
+        llm, lock = self._context()
+        threads = self.bulk if bulk and llm is self._llm else self.threads  # the second context keeps its one thread
+        with lock:
+            fitted = [self._fit(self.prefixed(t, kind), llm) for t in texts]
             try:
                 if threads != self.threads:
-                    self._llm._ctx.set_n_threads(threads, threads)
-                raw = self._llm.embed([t for t, _ in fitted], normalize=False, truncate=False)
+                    llm._ctx.set_n_threads(threads, threads)
+                raw = llm.embed([t for t, _ in fitted], normalize=False, truncate=False)
             except Exception as e:
                 raise EmbedError(f"{self.name}: embedding failed: {e}") from None
             finally:
                 if threads != self.threads:
-                    self._llm._ctx.set_n_threads(self.threads, self.threads)
+                    llm._ctx.set_n_threads(self.threads, self.threads)
         vectors = np.asarray(raw, dtype=np.float32).reshape(len(texts), self.dim)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         vectors /= np.where(norms == 0, 1.0, norms)

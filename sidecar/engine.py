@@ -12,7 +12,8 @@ fits its cutoff: sidecar/lab/cascade.py). The engine imports nothing of the lab.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -119,6 +120,16 @@ class Sidecar:
         derived = Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
         derived.sequences = self.sequences
         return derived
+
+    @contextlib.contextmanager
+    def beside(self) -> Iterator[None]:
+        """Meanwhile, this thread embeds on second contexts of the engine's models
+        (`Embedder.beside`): a session catalog built here holds up no judging."""
+        with contextlib.ExitStack() as stack:
+            for pipe in (self.pipeline, self.screen):
+                if pipe is not None:
+                    stack.enter_context(pipe.embedder.beside())
+            yield
 
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
         """The gate's decisions (and query vectors) for every request: the main pipeline's, or

@@ -22,9 +22,11 @@ MAX_DEPTH = 64  # JSON nesting a frame may have (tool schemas are a few levels d
 TOO_DEEP = f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} levels"
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
-# ... and their characters in all: a session's globs are compiled into one regex on the model
-# thread at its first ranking, about 1-3 us a character (8,192: 9-25 ms, once per list).
+# ... and their characters in all: a session's globs are compiled into one regex at its hello
+# (off the model thread), once per list: 8,192 characters cost 8-20 ms at 8 wildcards a glob,
+# 22-34 ms with a wildcard every few characters.
 MAX_PERMISSION_CHARS = 8192
+MAX_GLOB_WILDCARDS = 8  # `*` and `?` in one glob ("github__*", "*__read_*" need one or two)
 # hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
 Resume = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
 
@@ -61,6 +63,8 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
     def __post_init__(self) -> None:
         if self.permissions and sum(map(len, self.permissions)) > MAX_PERMISSION_CHARS:
             raise ValueError(f"permissions hold more than {MAX_PERMISSION_CHARS} characters in all")
+        if self.permissions and any(g.count("*") + g.count("?") > MAX_GLOB_WILDCARDS for g in self.permissions):
+            raise ValueError(f"a permissions glob holds more than {MAX_GLOB_WILDCARDS} wildcards (* or ?)")
 
 
 class User(msgspec.Struct, tag="user", tag_field="type"):

@@ -11,8 +11,10 @@ Concurrency, in one place:
   once per engine, so many streams share one llama.cpp call); while it works, new spans
   queue (and, under overload, supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
   batch that held its last ones is delivered;
-- a `hello`'s new tools are embedded on the same thread in slices (`catalog_slice_tools`,
-  about `shared_batch_ms` of estimated work), queued between batches, so a big session catalog delays others by one slice, not all of it;
+- a `hello`'s new tools are embedded on a second context of the model, on an index thread
+  beside the model thread (`hello_embed = "beside"`), so a session catalog delays no other
+  session's spans; or (`"between"`) on the model thread in slices (`catalog_slice_tools`,
+  about `shared_batch_ms` of estimated work) queued between batches, so it delays them by one slice;
 - with live MCP servers (`mcp`), their connections live on the event loop and a tool-list
   change reindexes the engine's pipeline in place, also on the model thread (mcp/live.py);
 - each connection has an outbox drained by its own writer task, which awaits each send (the
@@ -60,6 +62,7 @@ from .pending import Pending
 from .learner import Learner
 from .traffic import Turns
 from .records import Records
+from .recommend.filters import compile_permissions
 from .session import (
     Evaluation,
     Scope,
@@ -312,6 +315,7 @@ class SidecarServer:
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="sidecar-index")  # hello catalogs, with hello_embed = "beside"
         self._session_engines: OrderedDict[tuple, Sidecar] = OrderedDict()
         self._building: dict[tuple, asyncio.Future] = {}  # session catalogs being embedded
         # `end`s waiting for their stream's spans, as a count per stream: repeated `end`s of
@@ -574,6 +578,8 @@ class SidecarServer:
         catalog = session_catalog(current, msg.tools)
         own = None if catalog is current else catalog  # None: no tools named, follow the server's catalog
         engine = base if own is None else await self._session_engine(base, catalog)
+        if msg.permissions:  # compiled by the session's own hello, not at its first ranking on the model thread
+            await asyncio.get_running_loop().run_in_executor(self._indexer, compile_permissions, msg.permissions)
         conn.session.start(msg, Scope(own, context_of(msg), engine, self.live.unavailable if self.live else None))
         self._silent.discard(conn)
         conn.refs = msg.resume or secrets.token_hex(16)
@@ -601,11 +607,14 @@ class SidecarServer:
         return built
 
     async def _build_session(self, base: Sidecar, catalog: Catalog) -> Sidecar:
-        """Index a session catalog in slices: the tools the server's index already has first
-        (nothing to embed), then `catalog_slice_tools` new ones per model-thread job. Each job
-        queues behind the batch being judged and the next batch queues behind it, so other
-        sessions wait at most one slice, not the whole catalog."""
+        """Index a session catalog on the index thread beside the model thread, embedding on
+        second contexts of the models (`hello_embed = "beside"`). Or in slices on the model
+        thread: the tools the server's index already has first (nothing to embed), then
+        `catalog_slice_tools` new ones per job. Each job queues behind the batch being judged
+        and the next batch queues behind it, so other sessions wait at most one slice."""
         loop = asyncio.get_running_loop()
+        if self.limits.hello_embed == "beside":
+            return await loop.run_in_executor(self._indexer, _built_beside, base, catalog)
         old = base.catalog
         known = [t for t in catalog if (o := old.get(t.name)) is not None and o.content_hash == t.content_hash]
         names = {t.name for t in known}
@@ -677,7 +686,8 @@ class SidecarServer:
         while self._answered and now - next(iter(self._answered.values())) > SHARED_WINDOW_S:
             self._answered.popitem(last=False)
         owners = self.pending.owners() | self._answered.keys()
-        shared = len(owners) > 1 or bool(self._building and owners)
+        between = self._building and self.limits.hello_embed == "between"  # a hello's slices queue between batches
+        shared = len(owners) > 1 or bool(between and owners)
         if not shared:
             return self.limits.max_batch_ms
         saturated = self.pending.weight_total * (self._cost_per_char or 0.0) * 1000 > self.limits.max_batch_ms
@@ -780,6 +790,7 @@ class SidecarServer:
             c.stop()
         await self._close_live()
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._indexer.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             try:
                 self.store.checkpoint()
@@ -796,6 +807,11 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
     engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
     engine.recommender.prepare()
     return engine
+
+
+def _built_beside(base: Sidecar, catalog: Catalog) -> Sidecar:
+    with base.beside():
+        return base.with_catalog(catalog, False)  # hello tools are not stored
 
 
 def slice_starts(tools: Sequence[Tool], most: int, cost_per_char: float | None, budget: float) -> list[int]:

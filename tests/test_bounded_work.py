@@ -107,10 +107,15 @@ def test_hello_caps_the_permissions_list():
     with pytest.raises(p.ProtocolError):
         p.decode_client(json.dumps({**ok, "permissions": ["x" * (p.MAX_GLOB_CHARS + 1)]}))
     longest = p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS
-    assert isinstance(p.decode_client(json.dumps({**ok, "permissions": ["*a" * (p.MAX_GLOB_CHARS // 2)] * longest})), p.Hello)
-    with pytest.raises(p.ProtocolError) as e:  # their characters in all: compiled on the model thread
-        p.decode_client(json.dumps({**ok, "permissions": ["*a" * (p.MAX_GLOB_CHARS // 2)] * (longest + 1)}))
+    widest = ("a" * 31 + "*") * p.MAX_GLOB_WILDCARDS  # 256 characters, 8 wildcards
+    assert isinstance(p.decode_client(json.dumps({**ok, "permissions": [widest] * longest})), p.Hello)
+    with pytest.raises(p.ProtocolError) as e:  # their characters in all: each list is compiled
+        p.decode_client(json.dumps({**ok, "permissions": [widest] * (longest + 1)}))
     assert e.value.code == "invalid_field" and "permissions" in e.value.message
+    for wild in ("*", "?"):  # a wildcard more: a glob costs about 0.3 ms of compiling a wildcard
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode_client(json.dumps({**ok, "permissions": ["notes__*", "a" + wild * (p.MAX_GLOB_WILDCARDS + 1)]}))
+        assert e.value.code == "invalid_field" and "wildcards" in e.value.message
 
 
 def test_a_sessions_globs_compile_once_as_one_regex_that_does_not_backtrack():

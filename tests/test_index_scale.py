@@ -132,3 +132,30 @@ def test_a_bulk_job_runs_on_the_bulk_threads_and_gives_the_same_vectors(embedder
     assert set(seen) == {1}
     for t in texts[:8]:
         assert float(few[t] @ bulk[t]) > 0.9999
+
+
+def test_beside_embeds_on_a_second_context_with_the_same_vectors(embedder):
+    """`beside` (a hello's tools, issue 33): this thread's texts go to a second context, so
+    they are embedded while the first is held (by the model thread judging), and come out as
+    the first would give them."""
+    import threading
+
+    texts = ["stage README.md", "(" * 3000, "show me what changed in app.py"]
+    first = embedder.embed(texts, "document")
+    got: dict[str, object] = {}
+
+    def index_thread():
+        with embedder.beside():
+            got["beside"] = embedder.embed(texts, "document")
+
+    with embedder._lock:  # the model thread is busy judging
+        t = threading.Thread(target=index_thread)
+        t.start()
+        t.join(30)
+        done = not t.is_alive()
+    t.join()
+    assert done  # it never waited for the first context
+    second = got["beside"]
+    assert second.truncated == first.truncated == [False, True, False]
+    assert np.all(np.sum(first.vectors * second.vectors, axis=1) > 0.9999)
+    assert embedder._context()[0] is embedder._llm  # this thread, outside `beside`: the first context

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import websockets
 
 from sidecar import protocol as p
@@ -254,6 +255,66 @@ def test_a_big_hello_catalog_is_embedded_in_slices_between_other_sessions_batche
     assert ready["type"] == "ready" and len(ready["tools"]) == 7 + 96
     assert tools
     assert t_probe < 0.5 * t_ready, (t_probe, t_ready)  # served between slices, not after the catalog
+
+
+@pytest.mark.parametrize("mode", ["beside", "between"])
+def test_a_hello_tool_of_long_texts_holds_up_no_other_session_beside_the_model(small, mode):
+    """One tool whose description and six cases are each a whole context of tokens (60,000
+    `(`: about 95 ms apiece with MiniLM) cannot be sliced: on the model thread it holds every
+    other session's span until it is embedded, so the hello's `ready` comes first. Embedded on
+    the model's second context, beside the judging, the other session is answered first."""
+    tag = uuid.uuid4().hex[:8]  # nothing in the embedding cache
+    tool = {"name": f"paren_{tag}", "description": "(" * 60_000, "cases": [f"{k} {tag} " + "(" * 4_000 for k in range(6)],
+            "inputSchema": {"type": "object", "properties": {"q": {"type": "string"}}}}  # fmt: skip
+
+    async def body():
+        async with serving(small, hello_embed=mode) as srv, await SidecarClient.connect(srv.url, session="probe") as probe:
+            ws = await websockets.connect(srv.url, compression=None, max_size=None)
+            await ws.send(json.dumps({"type": "hello", "session": "parens", "tools": [tool]}))
+            for _ in range(500):  # until the build is under way
+                if srv._building:
+                    break
+                await asyncio.sleep(0.002)
+            order: list[str] = []
+
+            async def ready():
+                assert json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))["type"] == "ready"
+                order.append("ready")
+
+            async def answered():
+                await probe.user("p", SAVE)
+                await until(probe, lambda m: isinstance(m, p.Inject))
+                order.append("probe")
+
+            await asyncio.gather(ready(), answered())
+            await ws.close()
+            return order
+
+    order = run(body())
+    assert order == (["probe", "ready"] if mode == "beside" else ["ready", "probe"]), order
+
+
+def test_a_sessions_globs_are_compiled_by_its_hello_not_on_the_model_thread(small):
+    """A list of globs costs 8-34 ms to compile: at the hello, on the index thread, so the
+    session's first ranking (on the model thread) finds it compiled."""
+    from sidecar.recommend import filters
+
+    globs = [f"{uuid.uuid4().hex[:8]}*", "*_note*"]  # a list never compiled before
+
+    async def body():
+        async with serving(small) as srv:
+            async with await SidecarClient.connect(srv.url, session="perm", permissions=globs) as sc:
+                after_hello = filters._globs.cache_info()
+                await sc.user("p", SAVE)
+                msgs = await until(sc, lambda m: isinstance(m, p.Inject))
+                after_ranking = filters._globs.cache_info()
+            return after_hello, after_ranking, injected(msgs)
+
+    before = filters._globs.cache_info()
+    after_hello, after_ranking, tools = run(body())
+    assert after_hello.misses == before.misses + 1  # compiled once, by the hello
+    assert after_ranking.misses == after_hello.misses and after_ranking.hits > after_hello.hits  # the ranking found it
+    assert tools and all("_note" in t for t in tools)
 
 
 def test_a_hello_over_the_catalog_quota_is_refused_and_the_connection_lives_on(small):
