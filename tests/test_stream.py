@@ -188,6 +188,20 @@ def test_one_round_keeps_a_lone_span_from_sharing_its_batch_with_a_flood():
     assert len(taken) == 9 and sum(n.startswith("c") for n in taken) == 8
 
 
+def test_a_short_span_taken_first_is_not_held_behind_a_long_one_past_the_budget():
+    """Issue 33: the victim's short turn taken first shared its batch with a neighbour's
+    4,000-character turn (100-130 ms of MiniLM against a budget of 40): a span that would
+    pass the budget ends the batch, and goes first (alone, if need be) in the next one."""
+    q = Pending(max_pending=1000, stale_s=10.0)
+    q.put(Ev(object(), 0.0, "v", owner="victim", stream="v", cost=0.012))
+    q.put(Ev(object(), 0.0, "long", owner="flood", stream="s", cost=0.12))
+    q.put(Ev(object(), 0.0, "v2", owner="victim", stream="w", cost=0.012))
+    cost = lambda ev: ev.cost  # noqa: E731
+    assert [e.name for e in q.take(0.0, budget=0.04, cost=cost, one_round=True)] == ["v"]
+    assert [e.name for e in q.take(0.0, budget=0.04, cost=cost, one_round=True)] == ["long"]  # the first span always goes
+    assert [e.name for e in q.take(0.0, budget=0.04, cost=cost, one_round=True)] == ["v2"]
+
+
 def test_pending_tells_one_flooding_connection_from_load_spread_over_many():
     """What the server's batch size rests on: a queue one connection holds most of keeps the
     batches short for the others; one spread over many gets big, efficient batches."""
