@@ -2,8 +2,9 @@
 
 A new view (the action views, `sidecar/actions.py`; the argument view, `sidecar/arguments.py`) gets weight 0 from a calibration fitted
 before it. Refitting the whole calibration moves everything at once (the adapter, the gate
-head, the thresholds) and takes the better part of an hour per model on two shared cores;
-this fits only the added weights, by the same listwise softmax (`RankerFit`, `fixed`), on
+head, the thresholds: every table that rests on the built-in calibration must be measured
+again; the fit itself is about 3 minutes a model on two cores with the corpus' vectors in the
+store); this fits only the added weights, by the same listwise softmax (`RankerFit`, `fixed`), on
 the built-in ranker's views of the same fit set (adapter applied, as the ranker sees them).
 It reports the fit set's top-1 out of fold (whole servers held out, as `tune` folds them)
 before and after, so a view that does not carry to servers it was not fitted on shows.
