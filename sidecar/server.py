@@ -16,7 +16,8 @@ Concurrency, in one place:
   session's spans; or (`"between"`) on the model thread in slices (`catalog_slice_tools`,
   about `shared_batch_ms` of estimated work) queued between batches, so it delays them by one slice;
 - with live MCP servers (`mcp`), their connections live on the event loop and a tool-list
-  change reindexes the engine's pipeline in place, also on the model thread (mcp/live.py);
+  change reindexes the engine's pipeline in place on the model thread (mcp/live.py), its new
+  texts first embedded on the index thread's second context, so the reindex embeds nothing;
 - each connection has an outbox drained by its own writer task, which awaits each send (the
   socket's flow control): at `outbox_messages` queued the connection's frames are not read
   until it drains, and a client that takes nothing for `send_timeout_s` is closed with 1013,
@@ -380,7 +381,8 @@ class SidecarServer:
             else:
                 self._servers = ConnectionManager(self.mcp)
                 self._servers.start()  # preconnect_servers: reconnected in the background when lost
-                engine, self.live = await go_live(self._servers, build, self._worker)
+                beside = self._indexer if self.limits.hello_embed == "beside" else None  # a tool-list change embeds there first
+                engine, self.live = await go_live(self._servers, build, self._worker, beside)
         except Exception as e:  # reported by the caller of wait_loaded()
             self.load_error = e
         else:

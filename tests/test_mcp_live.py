@@ -329,14 +329,18 @@ def _pipeline(store_path) -> pipeline.Pipeline:
     return pipeline.from_config(cfg_, catalog=Catalog([]), store=Store(store_path), progress=False)
 
 
-@pytest.mark.parametrize("protocol", ["auto", "legacy"])  # list_changed via subscriptions/listen | a plain notification
-def test_live_catalog_reindexes_only_what_changed(tmp_path, caplog, protocol):
+# list_changed via subscriptions/listen | a plain notification; a change's texts embedded first
+# on the model's second context (the server's default), so the model thread's reindex embeds none
+@pytest.mark.parametrize("protocol, beside", [("auto", False), ("legacy", False), ("auto", True)])
+def test_live_catalog_reindexes_only_what_changed(tmp_path, caplog, protocol, beside):
+    from concurrent.futures import ThreadPoolExecutor
+
     pipe = _pipeline(tmp_path / "sidecar.db")
     c = cfg({"changer": changer_spec(protocol), "time": TIME})
 
     async def body():
         async with ConnectionManager(c) as m:
-            live = LiveCatalog(m, pipe)
+            live = LiveCatalog(m, pipe, indexer=ThreadPoolExecutor(1) if beside else None)
             with caplog.at_level(logging.INFO, logger="sidecar.mcp"):
                 await m.connect_all()
                 await until(lambda: len(pipe.catalog) == 6, what="both servers indexed")
@@ -356,6 +360,7 @@ def test_live_catalog_reindexes_only_what_changed(tmp_path, caplog, protocol):
             assert len(live.history) == runs + 1
             assert (s.added, s.updated, s.removed, s.unchanged, s.tools) == (1, 1, 1, 4, 6)
             assert s.embedded + s.cached > 0
+            assert (s.embedded == 0) == beside, s  # beside: the new texts were in the store already
             after = pipe.index_for("user").entries
             for name in ("changer__grow", "changer__pid", "time__get_current_time", "time__convert_time"):
                 assert after[name] is before[name]  # reused, not re-embedded

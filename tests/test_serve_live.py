@@ -24,6 +24,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
 from sidecar.mcp import config as mcp_config
 from sidecar.mcp.state import State
+from sidecar.pipeline import Pipeline
 from sidecar.server import SidecarServer
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until
@@ -140,22 +141,28 @@ def test_a_tool_added_by_list_changed_reaches_a_session_started_before(tmp_path)
         # to its gate head as something a model does itself.
         async with serving(tmp_path, servers, gate_bar=0.5) as server:
             pipe = server.engine.pipeline
-            threads: list[str] = []
-            reindex = pipe.reindex
+            threads: list[str] = []  # where the engine's own pipeline is reindexed
+            beside: list[str] = []  # where the copy that embeds the change first is built
+            reindex = Pipeline.reindex
 
-            def recorded(catalog):  # a spy on the real reindex: which thread runs it
-                threads.append(threading.current_thread().name)
-                return reindex(catalog)
+            def recorded(self, *args, **kwargs):  # a spy on the real reindex: which thread runs it
+                (threads if self is pipe else beside).append(threading.current_thread().name)
+                return reindex(self, *args, **kwargs)
 
-            pipe.reindex = recorded
             async with await SidecarClient.connect(server.url, session="before", decisions=True) as sc:
                 assert "changer__multiply" not in sc.ready.tools
                 assert "changer__multiply" not in injected(await stream(sc, "r1", MULTIPLY_TEXT))
 
-                assert (await server.live.call("changer__grow")).content[0].text == "grown"
-                await until(lambda: "changer__multiply" in server.engine.catalog.names(), what="list_changed to be indexed")
-                await server.live.settled()
+                Pipeline.reindex = recorded
+                try:
+                    assert (await server.live.call("changer__grow")).content[0].text == "grown"
+                    await until(lambda: "changer__multiply" in server.engine.catalog.names(), what="list_changed to be indexed")
+                    await server.live.settled()
+                finally:
+                    Pipeline.reindex = reindex
                 assert threads and set(threads) == {"sidecar-model_0"}, threads
+                assert beside and set(beside) == {"sidecar-index_0"}, beside  # the new tools' texts were embedded there first
+                assert server.live.history[-1].embedded == 0  # ... so the model thread embedded none
 
                 got = injected(await stream(sc, "r2", MULTIPLY_TEXT))
                 assert "changer__multiply" in got, got

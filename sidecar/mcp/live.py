@@ -68,8 +68,10 @@ def _servers(catalog: Catalog, live: Sequence[str]) -> frozenset[str]:
 class LiveCatalog:
     """Keeps `pipeline`'s index in step with the servers' live tool lists."""
 
-    def __init__(self, manager: ConnectionManager, pipeline: Any, *, base: Catalog | None = None, executor: Executor | None = None):
+    def __init__(self, manager: ConnectionManager, pipeline: Any, *, base: Catalog | None = None, executor: Executor | None = None,
+                 indexer: Executor | None = None):  # fmt: skip
         self.manager, self.pipeline, self.base, self.executor = manager, pipeline, base, executor
+        self.indexer = indexer  # where a change's new texts are embedded first, on the model's second context (None: not)
         self.history: list[IndexStats] = []  # one per reindex that ran
         self._synced = _signature(pipeline.catalog)
         self._indexed = _servers(pipeline.catalog, manager.names)  # swapped whole: read from any thread
@@ -97,6 +99,8 @@ class LiveCatalog:
             if signature == self._synced:
                 return None
             loop = asyncio.get_running_loop()
+            if self.indexer is not None:  # the reindex on the model thread then finds every vector in the store
+                await loop.run_in_executor(self.indexer, _embed_beside, self.pipeline, catalog)
             built = await loop.run_in_executor(self.executor, self.pipeline.reindex, catalog)
             self._synced = signature
             self._indexed = _servers(catalog, self.manager.names)
@@ -177,11 +181,21 @@ class LiveCatalog:
                 log.exception("live catalog: reindexing failed; the previous index stays in use")
 
 
-async def go_live(manager: ConnectionManager, load: Callable[[], Sidecar], executor: Executor) -> tuple[Sidecar, LiveCatalog]:
+def _embed_beside(pipeline: Any, catalog: Catalog) -> None:
+    """Embed what `catalog` adds to `pipeline`'s index on the model's second context, into the
+    store's cache, so that the reindex on the model thread embeds nothing: a server that lists
+    50 new tools would otherwise hold every session's spans for their embedding (issue 33)."""
+    with pipeline.embedder.beside():
+        pipeline.with_catalog(catalog, persist=True)
+
+
+async def go_live(manager: ConnectionManager, load: Callable[[], Sidecar], executor: Executor,
+                  indexer: Executor | None = None) -> tuple[Sidecar, LiveCatalog]:  # fmt: skip
     """Connect every server while `load` builds the engine on `executor` (the model thread),
     then index their tools beside the engine's own catalog. Returns once each server's first
     connect cycle has ended (connected or failed: a failed one is logged, and indexed when it
-    comes back) and its tools are indexed; `load`'s error is raised."""
+    comes back) and its tools are indexed; `load`'s error is raised. `indexer`: where later
+    changes are embedded first, beside the judging (the first index is built before any)."""
     connecting = asyncio.ensure_future(manager.connect_all())
     try:
         engine = await asyncio.get_running_loop().run_in_executor(executor, load)
@@ -193,4 +207,5 @@ async def go_live(manager: ConnectionManager, load: Callable[[], Sidecar], execu
         connecting.cancel()  # a no-op once it is done
     await live.sync()
     await live.settled()
+    live.indexer = indexer
     return engine, live
