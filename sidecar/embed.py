@@ -175,7 +175,7 @@ class Embedder:
         if not texts:
             return Embedded(np.zeros((0, self.dim), np.float32), [])
         llm, lock = self._context()
-        threads = self.bulk if bulk and llm is self._llm else self.threads  # the second context keeps its one thread
+        threads = self.bulk if bulk and llm is self._llm else self.threads  # the second context keeps its own threads
         with lock:
             fitted = [self._fit(self.prefixed(t, kind), llm) for t in texts]
             try:

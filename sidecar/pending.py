@@ -110,7 +110,7 @@ class Pending:
         stays within the budget: the first span is always taken, and a later one that would
         pass the budget ends the batch and comes first in the next (a short span taken first is
         not then held behind a neighbour's long one: a 4,000-character turn is 100-130 ms of
-        MiniLM against a shared budget of 40). `one_round`: once two connections have a span in
+        MiniLM against a shared budget of 40 ms). `one_round`: once two connections have a span in
         the batch, none gets a second, so a connection with one span waiting shares its batch
         with one span of each other, not with a budget's worth of a flooding one's (a lone
         connection still fills the budget). Stale ones met on the way are dropped; what is not

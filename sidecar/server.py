@@ -316,7 +316,7 @@ class SidecarServer:
         self.load_error: BaseException | None = None
         self.closing = False
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sidecar-model")
-        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="sidecar-index")  # hello catalogs, with hello_embed = "beside"
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="sidecar-index")  # hellos' catalogs ("beside") and globs, live tool-list changes
         self._session_engines: OrderedDict[tuple, Sidecar] = OrderedDict()
         self._building: dict[tuple, asyncio.Future] = {}  # session catalogs being embedded
         # `end`s waiting for their stream's spans, as a count per stream: repeated `end`s of
@@ -678,7 +678,7 @@ class SidecarServer:
 
     def _batch_ms(self, now: float) -> float:
         """The next batch's estimated work. `shared_batch_ms` while other connections wait or
-        were answered within SHARED_WINDOW_S (or a hello's tools are being embedded), so a span
+        were answered within SHARED_WINDOW_S (or a hello's slices queue between batches), so a span
         that arrives behind the batch waits a short one; `max_batch_ms` while one connection has
         the model to itself, or while more than a big batch waits spread over many connections
         (no one holds half of it): then every stream is a neighbour's victim alike and bigger
