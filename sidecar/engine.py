@@ -12,8 +12,7 @@ fits its cutoff: sidecar/lab/cascade.py). The engine imports nothing of the lab.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -112,24 +111,16 @@ class Sidecar:
     def catalog(self) -> Catalog:
         return self.pipeline.catalog
 
-    def with_catalog(self, catalog: Catalog, persist: bool = True) -> Sidecar:
+    def with_catalog(self, catalog: Catalog, persist: bool = True, beside: bool = False) -> Sidecar:
         """The same engine over `catalog`: only tools the index does not have are embedded
         (kept in the store unless not `persist`: a session's own tools leave nothing behind).
-        The screen, if any, follows it onto the same catalog."""
-        first = self.screen.with_catalog(catalog, persist) if self.screen is not None else None
-        derived = Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist), self.store, self.history, first, self.cascade_stats, persist)
+        The screen, if any, follows it onto the same catalog. `beside`: embedded on the models'
+        second contexts (`Pipeline.with_catalog`)."""
+        first = self.screen.with_catalog(catalog, persist, beside) if self.screen is not None else None
+        derived = Sidecar(self.cfg, self.pipeline.with_catalog(catalog, persist, beside), self.store, self.history, first, self.cascade_stats,
+                          persist)  # fmt: skip
         derived.sequences = self.sequences
         return derived
-
-    @contextlib.contextmanager
-    def beside(self) -> Iterator[None]:
-        """Meanwhile, this thread embeds on second contexts of the engine's models
-        (`Embedder.beside`): a session catalog built here holds up no judging."""
-        with contextlib.ExitStack() as stack:
-            for pipe in (self.pipeline, self.screen):
-                if pipe is not None:
-                    stack.enter_context(pipe.embedder.beside())
-            yield
 
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
         """The gate's decisions (and query vectors) for every request: the main pipeline's, or

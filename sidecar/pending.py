@@ -124,7 +124,8 @@ class Pending:
                 break
             ev = next(iter(items.values()))
             fresh = now - ev.received <= self.stale_s
-            if fresh and out and budget is not None and cost is not None and spent + cost(ev) > budget:
+            c = cost(ev) if cost is not None and fresh else 0.0
+            if fresh and out and budget is not None and spent + c > budget:
                 break
             served.add(g)
             items.popitem(last=False)
@@ -137,8 +138,7 @@ class Pending:
                 self.dropped["stale"] += 1
                 continue
             out.append(ev)
-            if cost is not None:
-                spent += cost(ev)
+            spent += c
         return out
 
     def shed(self, budget: float) -> int:

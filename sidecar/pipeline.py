@@ -8,6 +8,7 @@ seen before from being embedded again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pathlib
 import threading
@@ -173,12 +174,15 @@ class Pipeline:
         own = self.own_for(source)
         return own.gate.thresholds if own else self.thresholds
 
-    def with_catalog(self, catalog: Catalog, persist: bool = True) -> Pipeline:
+    def with_catalog(self, catalog: Catalog, persist: bool = True, beside: bool = False) -> Pipeline:
         """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
         and store shared): its indexes reuse this one's unchanged tools and the store's
-        embedding cache, so only new tool texts are embedded. This pipeline is untouched."""
+        embedding cache, so only new tool texts are embedded. This pipeline is untouched.
+        `beside`: the new texts are embedded on the model's second context (`Embedder.beside`),
+        so a catalog built on another thread holds up no judging on the model thread."""
         clone = copy.copy(self)
-        clone.reindex(catalog, persist)  # rebinds the clone's indexes and catalog
+        with self.embedder.beside() if beside else contextlib.nullcontext():
+            clone.reindex(catalog, persist)  # rebinds the clone's indexes and catalog
         return clone
 
     def index_for(self, source: str) -> ToolIndex:

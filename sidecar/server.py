@@ -616,7 +616,7 @@ class SidecarServer:
         and the next batch queues behind it, so other sessions wait at most one slice."""
         loop = asyncio.get_running_loop()
         if self.limits.hello_embed == "beside":
-            return await loop.run_in_executor(self._indexer, _built_beside, base, catalog)
+            return await loop.run_in_executor(self._indexer, base.with_catalog, catalog, False, True)  # not stored; beside
         old = base.catalog
         known = [t for t in catalog if (o := old.get(t.name)) is not None and o.content_hash == t.content_hash]
         names = {t.name for t in known}
@@ -809,11 +809,6 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
     engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
     engine.recommender.prepare()
     return engine
-
-
-def _built_beside(base: Sidecar, catalog: Catalog) -> Sidecar:
-    with base.beside():
-        return base.with_catalog(catalog, False)  # hello tools are not stored
 
 
 def slice_starts(tools: Sequence[Tool], most: int, cost_per_char: float | None, budget: float) -> list[int]:

@@ -99,8 +99,8 @@ class LiveCatalog:
             if signature == self._synced:
                 return None
             loop = asyncio.get_running_loop()
-            if self.indexer is not None:  # the reindex on the model thread then finds every vector in the store
-                await loop.run_in_executor(self.indexer, _embed_beside, self.pipeline, catalog)
+            if self.indexer is not None:  # embedded first beside the judging, into the store: the reindex then finds every vector there
+                await loop.run_in_executor(self.indexer, self.pipeline.with_catalog, catalog, True, True)  # (the copy is dropped)
             built = await loop.run_in_executor(self.executor, self.pipeline.reindex, catalog)
             self._synced = signature
             self._indexed = _servers(catalog, self.manager.names)
@@ -179,14 +179,6 @@ class LiveCatalog:
                 await self.sync()
             except Exception:
                 log.exception("live catalog: reindexing failed; the previous index stays in use")
-
-
-def _embed_beside(pipeline: Any, catalog: Catalog) -> None:
-    """Embed what `catalog` adds to `pipeline`'s index on the model's second context, into the
-    store's cache, so that the reindex on the model thread embeds nothing: a server that lists
-    50 new tools would otherwise hold every session's spans for their embedding (issue 33)."""
-    with pipeline.embedder.beside():
-        pipeline.with_catalog(catalog, persist=True)
 
 
 async def go_live(manager: ConnectionManager, load: Callable[[], Sidecar], executor: Executor,
