@@ -17,9 +17,9 @@ server's /metrics counters that moved.
 
 Attacks: the issue's (nesting backtrack frame, long permissions list, one token frame of tiny
 clauses, hello descriptions that backtrack, foreign origin, silent connections filling the
-places) and the earlier ones of tests/test_hardening.py (frames that closed with 1011, long
-adversarial turns, oversized frames, huge stored strings, a connection that floods spans, a
-client that never reads).
+places), hellos of a megabyte of tiny values, and the earlier ones of tests/test_hardening.py
+(frames that closed with 1011, long adversarial turns, oversized frames, huge stored strings,
+a connection that floods spans, a client that never reads).
 
     .venv/bin/python bench/attacks.py --json > attacks.json
     .venv/bin/python bench/attacks.py --only nesting tiny_clauses --seconds 3
@@ -136,18 +136,22 @@ async def _each_connection(url: str, deadline: float, tally: Tally, body, **conn
             await asyncio.sleep(0.01)
 
 
-async def attack_nesting(url: str, deadline: float, tally: Tally) -> None:
-    """Issue 33 #1: '[' x 65 then a run of quotes (bare and escaped), ~1 MB, no hello needed."""
-    n = FRAME_BYTES - 100
-    frames = ["[" * 65 + '"' * n, "[" * 65 + '\\"' * (n // 2)]
+async def _frames_in_turn(url: str, deadline: float, tally: Tally, frames: list[str]) -> None:
+    """`frames` one after the other, each answer read before the next is sent."""
 
     async def body(ws, _):
         while time.monotonic() < deadline:
-            await ws.send(frames[tally.frames % 2])
+            await ws.send(frames[tally.frames % len(frames)])
             tally.frames += 1
             tally.reply(await ws.recv())
 
     await _each_connection(url, deadline, tally, body)
+
+
+async def attack_nesting(url: str, deadline: float, tally: Tally) -> None:
+    """Issue 33 #1: '[' x 65 then a run of quotes (bare and escaped), ~1 MB, no hello needed."""
+    n = FRAME_BYTES - 100
+    await _frames_in_turn(url, deadline, tally, ["[" * 65 + '"' * n, "[" * 65 + '\\"' * (n // 2)])
 
 
 async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> None:
@@ -176,6 +180,13 @@ async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> No
             await asyncio.sleep(0.01)
 
     await _each_connection(url, deadline, tally, body)
+
+
+async def attack_tiny_values(url: str, deadline: float, tally: Tally) -> None:
+    """Hellos of about 1 MB of tiny values in `tools` (`[[[[[[]]]]]]`, then `{}`), again and
+    again on one connection: decoding built every value before any limit was checked."""
+    frames = ['{"type":"hello","session":"v","tools":[' + ",".join([v] * (FRAME_BYTES // (len(v) + 1) - 10)) + "]}" for v in ('{"a":[[[[[[]]]]]]}', "{}")]
+    await _frames_in_turn(url, deadline, tally, frames)
 
 
 async def attack_tiny_clauses(url: str, deadline: float, tally: Tally) -> None:
@@ -350,6 +361,7 @@ ATTACKS = {
     "nesting": attack_nesting,
     "long_permissions": attack_long_permissions,
     "tiny_clauses": attack_tiny_clauses,
+    "tiny_values": attack_tiny_values,
     "hello_descriptions": attack_hello_descriptions,
     "foreign_origin": attack_foreign_origin,
     "silent_connections": attack_silent,

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from . import models
+from . import models, protocol
 from .cases import Strategy
 from .recommend.scoring import IntentRules, Priors, Weights
 
@@ -81,6 +81,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     token: str | None = None  # shared secret: Authorization: Bearer TOKEN or ?token=TOKEN
     origins: list[str] = []  # allowed Origin headers (browsers); empty: any
     max_frame_bytes: int = 1 << 20  # a larger frame closes the connection with 1009
+    # Commas and opening brackets outside strings one frame may hold (`too_many_values`
+    # beyond), counted before it is decoded: decoding builds every value first, 0.1-0.2 us
+    # each. The 128 largest real tools hold about 11,000; raise it with max_hello_tools.
+    max_frame_values: int = protocol.MAX_VALUES
     # Frames the websocket library reads ahead of the handler per connection (then reading
     # pauses): memory per connection is about this x max_frame_bytes, and a client that left
     # is noticed only once what was read ahead is worked through (reading paused, the kernel
@@ -172,7 +176,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
-        positive = ("max_frame_bytes", "read_ahead_frames", "read_chars_per_s", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
+        positive = ("max_frame_bytes", "max_frame_values", "read_ahead_frames", "read_chars_per_s", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
                     "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:

@@ -509,7 +509,7 @@ class SidecarServer:
         connection with 1011, so whatever a frame holds, it gets an `error` at worst."""
         now = time.perf_counter()
         try:
-            msg = p.decode_client(frame)
+            msg = p.decode_client(frame, self.limits.max_frame_values)
         except p.ProtocolError as e:
             self.metrics.frames.labels("in", "invalid").inc()
             conn.send(p.Error(e.code, e.message, e.ref))

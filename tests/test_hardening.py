@@ -80,6 +80,7 @@ def test_frames_that_closed_the_connection_with_1011_get_typed_errors_and_it_liv
                 ("[1,2", "bad_json"),  # truncated: not valid JSON, whatever its first token
                 ("[1, 2]", "bad_message"),
                 ('{"type":' + "9" * 4300 + "}", "unknown_type"),
+                ('{"type":"hello","session":"x","tools":[' + ",".join(["{}"] * (p.MAX_VALUES + 1)) + "]}", "too_many_values"),
             ]
             for frame, code in cases:
                 e = await raw_exchange(ws, frame)
