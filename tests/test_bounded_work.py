@@ -106,8 +106,11 @@ def test_a_frame_of_many_tiny_values_is_refused_before_they_are_built():
     with pytest.raises(p.ProtocolError, match="more than 101 JSON values"):  # the server's max_frame_values
         p.decode_client(json.dumps({"type": "hello", "session": "s", "tools": ["t"] * 99}), max_values=101)
     head = {"type": "hello", "session": "s"}  # 2 commas and a brace, then the list's bracket
-    at_cap = {**head, "tools": ["t"] * (p.MAX_VALUES - 3)}
-    assert isinstance(p.decode_client(json.dumps(at_cap)), p.Hello)
+    for name in ("t", "t\\", 'say "hi", [then] {go}'):  # a string that ends in an escaped backslash, one of escaped quotes
+        at_cap = {**head, "tools": [name] * (p.MAX_VALUES - 3)}
+        assert isinstance(p.decode_client(json.dumps(at_cap)), p.Hello)
+        with pytest.raises(p.ProtocolError, match="too_many_values|JSON values"):
+            p.decode_client(json.dumps({**head, "tools": [name] * (p.MAX_VALUES - 2)}))
     for frame in (json.dumps({**head, "tools": ["t"] * (p.MAX_VALUES - 2)}),
                   json.dumps({**head, "tools": [{"a": [[[[[[]]]]]]}] * (1 << 16)}),  # 839 KB, no comma in most of it
                   json.dumps({**head, "tools": [{}] * (1 << 18)}),
