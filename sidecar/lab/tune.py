@@ -22,7 +22,7 @@ from ..engine import Sidecar
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, score, simple_gate, simple_gate_features
 from ..gate import PathKind, Thresholds, fires, route
 from ..index import embed_cached, wants_classifier
-from ..learned import (FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
+from ..learned import (ADAPTER_HELD_VIEWS, FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
                        held_views, match, rank_features)
 from ..lexical import LexicalIndex
 from ..pipeline import Pipeline, Request, Views, from_config
@@ -460,8 +460,7 @@ def _fit_ranker(pipe: Pipeline, q: np.ndarray, features: np.ndarray, targets: Se
     base = builtin(pipe.embedder.name)
     held = held_views(base.ranker if base is not None else None, feats.shape[-1])
     ranker = Ranker(RankerFit().weights(feats, wanted, shown, fixed=held))  # the action views' weights are the built-in's
-    unmoved = np.isin(RANK_FEATURES, ("lexical", "classifier", "sure_lexical")).astype(np.float32)  # the views the adapter does not touch
-    fixed = ranker.score(feats * unmoved)
+    fixed = ranker.score(feats * np.isin(RANK_FEATURES, ADAPTER_HELD_VIEWS))  # the blend's part the adapter holds
     adapter = AdapterFit().fit(q[rows], index.primary, index.matrix, index.starts, fixed, wanted, ranker.weights, offered=shown)
     return Ranker(ranker.weights, adapter)
 
