@@ -278,13 +278,14 @@ def decode_client(frame: str | bytes, max_values: int = MAX_VALUES) -> ClientMes
             frame = bytes(frame).decode("utf-8")  # a binary frame: the text-frame rule, checked here
         except UnicodeDecodeError as e:
             raise ProtocolError("bad_json", f"malformed JSON: not valid UTF-8 at byte {e.start}") from None
-    if too_many_values(frame, max_values):  # before msgspec builds them all (a list's max_length is checked once built)
+    marks = _marks(frame) if len(frame) > max_values else None  # a long frame's skeleton, for both checks below
+    if too_many_values(frame, max_values, marks):  # before msgspec builds them all (a list's max_length is checked once built)
         raise ProtocolError("too_many_values", f"the frame holds more than {max_values} JSON values (commas and brackets outside strings)")
     try:
         msg = _client.decode(frame)
     except _DECODE_FAILURES as e:
         raise _explain(frame, e) from None
-    if too_deep(frame):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
+    if too_deep(frame, marks):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
         raise ProtocolError("bad_json", TOO_DEEP)
     return msg
 
@@ -294,13 +295,12 @@ def decode_client(frame: str | bytes, max_values: int = MAX_VALUES) -> ClientMes
 # a run of `\"`: a 62 KB frame held the event loop for 16 s; one match per quote, 31 ms a
 # 1 MB frame of quotes: issue 33).
 _STRING = re.compile(rb'"[^"]*"')
-_NOT_SKELETON = bytes(b for b in range(256) if b not in b'[]{}"')
-_NOT_VALUE_MARK = bytes(b for b in range(256) if b not in b'[{,"')
+_NOT_MARK = bytes(b for b in range(256) if b not in b'[]{}",')
 _LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 
 
-def too_deep(frame: str) -> bool:
+def too_deep(frame: str, marks: bytes | None = None) -> bool:
     """Whether a JSON text nests deeper than MAX_DEPTH, or its brackets (outside strings) do
     not balance. A fixed limit: msgspec fails by itself only near the interpreter's recursion
     limit, which depends on the caller's stack (then the same error is given). Checked after a
@@ -310,10 +310,11 @@ def too_deep(frame: str) -> bool:
     (pairs of backslashes, then escaped quotes), everything but brackets and quotes by one
     bytes.translate, adjacent quotes in pairs (which keeps every other character inside or
     outside its string), and only then the strings left, each holding a bracket; then each
-    round drops the innermost bracket pairs."""
+    round drops the innermost bracket pairs. `marks`: the frame's `_marks`, if already made."""
     if frame.count("[") + frame.count("{") <= MAX_DEPTH:  # the common case
         return False
-    brackets = _STRING.sub(b"", _skeleton(frame, _NOT_SKELETON)).translate(_SQUARE, b'"')  # an unpaired quote: dropped (the frame is bad JSON anyway)
+    skeleton = (_marks(frame) if marks is None else marks).translate(None, b",").replace(b'""', b"")
+    brackets = _STRING.sub(b"", skeleton).translate(_SQUARE, b'"')  # an unpaired quote: dropped (the frame is bad JSON anyway)
     if b"[" * (MAX_DEPTH + 1) in brackets:
         return True
     for _ in range(MAX_DEPTH):
@@ -326,30 +327,29 @@ def too_deep(frame: str) -> bool:
     return True
 
 
-def too_many_values(frame: str, most: int = MAX_VALUES) -> bool:
+def too_many_values(frame: str, most: int = MAX_VALUES, marks: bytes | None = None) -> bool:
     """Whether a frame holds more than `most` commas and opening brackets outside its strings.
-    A frame of no more characters cannot; otherwise its escapes are dropped and its quotes,
-    commas and opening brackets kept (one bytes.translate), and only when those are more than
-    `most`, strings included, is it told which lie inside strings: by the parity of the quotes
-    before each (a running count, no match per string: 175,000 strings of one comma would be
-    as many regex matches, 25 ms). 0.4-2 ms a megabyte; 5 ms when its strings hold many escaped
-    quotes."""
+    A frame of no more characters cannot; otherwise its `_marks` are counted, and only when
+    they are more than `most`, strings included, is it told which lie inside strings: by the
+    parity of the quotes before each (a running count, no match per string: 175,000 strings
+    of one comma would be as many regex matches, 25 ms). 0.4-2 ms a megabyte; 5 ms when its
+    strings hold many escaped quotes. `marks`: the frame's `_marks`, if already made."""
     if len(frame) <= most:  # the common case: each counted mark is a character
         return False
-    marks = np.frombuffer(_skeleton(frame, _NOT_VALUE_MARK, pairs=False), np.uint8)
-    quotes = marks == ord('"')
-    if len(marks) - int(np.count_nonzero(quotes)) <= most:
+    codes = np.frombuffer(_marks(frame) if marks is None else marks, np.uint8)
+    quotes = codes == ord('"')
+    counted = (codes == ord(",")) | (codes == ord("[")) | (codes == ord("{"))
+    if int(np.count_nonzero(counted)) <= most:
         return False
     outside = (np.cumsum(quotes, dtype=np.uint8) & 1) == 0  # parity survives the uint8 wrap
-    return int(np.count_nonzero(outside & ~quotes)) > most
+    return int(np.count_nonzero(outside & counted)) > most
 
 
-def _skeleton(frame: str, drop: bytes, pairs: bool = True) -> bytes:
-    """The frame without escaped backslashes and quotes, without the characters `drop` lists
-    (all but quotes and the ones looked for), and (`pairs`) without empty strings."""
+def _marks(frame: str) -> bytes:
+    """What both checks read of a frame: its brackets, commas and quotes, with escaped
+    backslashes and escaped quotes dropped first."""
     unescaped = frame.replace("\\\\", "").replace('\\"', "") if '\\"' in frame else frame  # no backslash before a quote: none escapes one
-    kept = unescaped.encode("utf-8", "surrogatepass").translate(None, drop)
-    return kept.replace(b'""', b"") if pairs else kept
+    return unescaped.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
 
 
 def decode_server(frame: str | bytes) -> ServerMessage:
