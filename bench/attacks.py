@@ -19,7 +19,9 @@ Attacks: the issue's (nesting backtrack frame, long permissions list, one token 
 clauses, hello descriptions that backtrack, foreign origin, silent connections filling the
 places), hellos of a megabyte of tiny values, and the earlier ones of tests/test_hardening.py
 (frames that closed with 1011, long adversarial turns, oversized frames, huge stored strings,
-a connection that floods spans, a client that never reads).
+a connection that floods spans, a client that never reads). First a control that is no
+attack: the attacker's process busy on its core, sending nothing (`cpu_burn`): what sharing the
+two cores with any busy process costs the victim, the floor under every other row.
 
     .venv/bin/python bench/attacks.py --json > attacks.json
     .venv/bin/python bench/attacks.py --only nesting tiny_clauses --seconds 3
@@ -59,6 +61,7 @@ PING_EVERY_S = 0.02
 TURN_EVERY_S = 0.2
 DECISION_TIMEOUT_S = 10.0
 ATTACKER_GRACE_S = 15.0
+QUIET_S, SETTLE_LIMIT_S = 0.5, 60.0  # after an attack: its counters still this long, waited for at most this
 FRAME_BYTES = 1_000_000  # under max_frame_bytes (1 MiB)
 PING_TARGET, DECISION_TARGET = 2.0, 3.0
 REQUEST = "Can you search my notes for the kubernetes setup?"
@@ -358,7 +361,20 @@ async def attack_slow_reader(url: str, deadline: float, tally: Tally) -> None:
     await _each_connection(url, deadline, tally, body)
 
 
+async def attack_cpu_burn(url: str, deadline: float, tally: Tally) -> None:
+    """A control, not an attack: the attacker's process busy on its core, sending nothing. What
+    the victim loses here is what any busy process on the same cores costs it; what an attack
+    costs beyond it is what its frames make the server do."""
+    while time.monotonic() < deadline:
+        spin = time.perf_counter() + 0.005
+        while time.perf_counter() < spin:
+            pass
+        tally.frames += 0
+        await asyncio.sleep(0)
+
+
 ATTACKS = {
+    "cpu_burn": attack_cpu_burn,
     "nesting": attack_nesting,
     "long_permissions": attack_long_permissions,
     "tiny_clauses": attack_tiny_clauses,
@@ -496,6 +512,23 @@ async def one_attack(name: str, url: str, victim: Victim, args, baseline: dict) 
     return row
 
 
+async def settle(url: str, minimum: float) -> float:
+    """Wait `minimum` seconds, then until the server's counters stand still for QUIET_S (at
+    most SETTLE_LIMIT_S): frames an attack left in the socket buffers, read at the read
+    budget's pace, and the spans they queue, would otherwise count against the next attack
+    (a span flood's went on for about 2 s after its process ended). Returns the seconds waited."""
+    t0 = time.perf_counter()
+    await asyncio.sleep(minimum)
+    last = None
+    while time.perf_counter() - t0 < SETTLE_LIMIT_S:
+        now = await asyncio.to_thread(scrape, url)
+        if now == last:
+            break
+        last = now
+        await asyncio.sleep(QUIET_S)
+    return round(time.perf_counter() - t0, 2)
+
+
 async def serve(args, tmp: pathlib.Path, config: str = "") -> tuple[asyncio.subprocess.Process, str]:
     """`sidecar serve` on 127.0.0.1 (a free port) with `args.model` and `args.threads` model
     threads, the notes catalog, a store in `tmp` and `config` (TOML); its URL once listening."""
@@ -544,7 +577,7 @@ async def main(args) -> dict:
                     log(f"{name}: ping p99 {row['ping_p99_ms']} ms ({row['ping_p99_x']}x), decision p99 {row['decision_p99_ms']} ms "
                         f"({row['decision_p99_x']}x), missed {row['decisions_missed']}, new client {row['fresh_client']}"
                         f"{'' if row['meets_target'] else '  <- over target'}")  # fmt: skip
-                    await asyncio.sleep(args.settle)  # what the attack queued drains before the next baseline-relative run
+                    row["settled_s"] = await settle(url, args.settle)  # what the attack queued is worked through before the next
                 victim.reader.cancel()
             alive = proc is None or proc.returncode is None
             return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "settings": args.set, "baseline": baseline, "attacks": rows,
@@ -564,7 +597,7 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
             proc.kill()
 
 
-MEDIAN_KEYS = ("ping_p50_ms", "ping_p99_ms", "ping_p99_x", "decision_p50_ms", "decision_p99_ms", "decision_p99_x", "fresh_client_ms")
+MEDIAN_KEYS = ("ping_p50_ms", "ping_p99_ms", "ping_p99_x", "decision_p50_ms", "decision_p99_ms", "decision_p99_x", "fresh_client_ms", "settled_s")
 
 
 def medians(runs: list[dict]) -> dict:
@@ -587,7 +620,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--seconds", type=float, default=4.0, help="each attack's (and the baseline's) duration (default 4)")
-    ap.add_argument("--settle", type=float, default=2.0, help="pause after each attack (default 2 s)")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="pause after each attack (default 1 s), then until the server's counters stand still")
     ap.add_argument("--only", nargs="+", choices=list(ATTACKS), help="these attacks only (default: all)")
     ap.add_argument("--model", default=models.SMALL_MODEL)
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the server (default 1)")

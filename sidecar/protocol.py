@@ -278,14 +278,20 @@ def decode_client(frame: str | bytes, max_values: int = MAX_VALUES) -> ClientMes
             frame = bytes(frame).decode("utf-8")  # a binary frame: the text-frame rule, checked here
         except UnicodeDecodeError as e:
             raise ProtocolError("bad_json", f"malformed JSON: not valid UTF-8 at byte {e.start}") from None
-    marks = _marks(frame) if len(frame) > max_values else None  # a long frame's skeleton, for both checks below
-    if too_many_values(frame, max_values, marks):  # before msgspec builds them all (a list's max_length is checked once built)
+    marks, bounded = None, False
+    if len(frame) > max_values:  # a long frame: its marks, strings' included, bound those outside them (0.4 ms a megabyte)
+        every = frame.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
+        opening = every.count(b"[") + every.count(b"{")
+        bounded = opening + every.count(b",") <= max_values and opening <= MAX_DEPTH  # neither check can fail: no skeleton
+        if not bounded:
+            marks = _marks(frame)  # its skeleton, for both checks below
+    if not bounded and too_many_values(frame, max_values, marks):  # before msgspec builds them all (a list's max_length is checked once built)
         raise ProtocolError("too_many_values", f"the frame holds more than {max_values} JSON values (commas and brackets outside strings)")
     try:
         msg = _client.decode(frame)
     except _DECODE_FAILURES as e:
         raise _explain(frame, e) from None
-    if too_deep(frame, marks):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
+    if not bounded and too_deep(frame, marks):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
         raise ProtocolError("bad_json", TOO_DEEP)
     return msg
 
