@@ -369,7 +369,6 @@ async def attack_cpu_burn(url: str, deadline: float, tally: Tally) -> None:
         spin = time.perf_counter() + 0.005
         while time.perf_counter() < spin:
             pass
-        tally.frames += 0
         await asyncio.sleep(0)
 
 

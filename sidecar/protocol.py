@@ -284,7 +284,7 @@ def decode_client(frame: str | bytes, max_values: int = MAX_VALUES) -> ClientMes
         opening = every.count(b"[") + every.count(b"{")
         bounded = opening + every.count(b",") <= max_values and opening <= MAX_DEPTH  # neither check can fail: no skeleton
         if not bounded:
-            marks = _marks(frame)  # its skeleton, for both checks below
+            marks = _marks(frame, every)  # its skeleton, for both checks below
     if not bounded and too_many_values(frame, max_values, marks):  # before msgspec builds them all (a list's max_length is checked once built)
         raise ProtocolError("too_many_values", f"the frame holds more than {max_values} JSON values (commas and brackets outside strings)")
     try:
@@ -351,10 +351,13 @@ def too_many_values(frame: str, most: int = MAX_VALUES, marks: bytes | None = No
     return int(np.count_nonzero(outside & counted)) > most
 
 
-def _marks(frame: str) -> bytes:
+def _marks(frame: str, every: bytes | None = None) -> bytes:
     """What both checks read of a frame: its brackets, commas and quotes, with escaped
-    backslashes and escaped quotes dropped first."""
-    unescaped = frame.replace("\\\\", "").replace('\\"', "") if '\\"' in frame else frame  # no backslash before a quote: none escapes one
+    backslashes and escaped quotes dropped first. `every`: the frame's marks with nothing
+    dropped, if already made: they are the answer when no quote is escaped."""
+    if '\\"' not in frame:  # no backslash before a quote: none escapes one
+        return frame.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK) if every is None else every
+    unescaped = frame.replace("\\\\", "").replace('\\"', "")
     return unescaped.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
 
 
