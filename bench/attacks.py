@@ -158,15 +158,18 @@ async def attack_nesting(url: str, deadline: float, tally: Tally) -> None:
 
 
 async def attack_long_permissions(url: str, deadline: float, tally: Tally) -> None:
-    """Issue 33 #2: a hello with 75,000 globs (964 KB), then one with the most allowed (new
-    globs each time, as many characters as a hello may hold, as many wildcards as a glob may
-    hold: the costliest to compile) and user turns ranked through them."""
+    """Issue 33 #2: a hello with 75,000 globs (964 KB), then one with the costliest list allowed
+    (new globs each time: as many patterns as a hello may hold, the compiled kind, of as many
+    characters and wildcards as they may hold in all; names for the rest of its characters)
+    and user turns ranked through them."""
     huge = json.dumps({"type": "hello", "session": "perm", "permissions": [f"*x{i}*z" for i in range(75_000)]})  # encoded once: 9 ms of the attacker's core each time
 
     def most(i: int) -> list[str]:
-        part = p.MAX_GLOB_CHARS // p.MAX_GLOB_WILDCARDS  # 31 characters, then a star
-        return ["".join((f"{i}-{k}-{w}" * part)[: part - 1] + "*" for w in range(p.MAX_GLOB_WILDCARDS))
-                for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS)]  # fmt: skip
+        part = p.MAX_PATTERN_CHARS // p.MAX_PATTERNS  # 16 characters, a wildcard in the middle
+        patterns = [(f"{i}-{k}-" * part)[: part // 2] + "*" + "x" * (part - part // 2 - 1) for k in range(p.MAX_PATTERNS)]
+        rest = p.MAX_PERMISSION_CHARS - p.MAX_PATTERN_CHARS
+        names = [(f"{i}-{k}-" * p.MAX_GLOB_CHARS)[: p.MAX_GLOB_CHARS] for k in range(rest // p.MAX_GLOB_CHARS)]
+        return patterns + names
 
     async def body(ws, i):
         if i % 2:

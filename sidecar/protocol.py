@@ -9,6 +9,7 @@ exception deep inside the server.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -29,11 +30,17 @@ TOO_DEEP = f"malformed JSON: unbalanced, or nested deeper than {MAX_DEPTH} level
 MAX_VALUES = 16384
 MAX_PERMISSIONS = 256  # globs in hello.permissions: each is matched against every tool a ranking considers
 MAX_GLOB_CHARS = 256
-# ... and their characters in all: a session's globs are compiled into one regex at its hello
-# (off the model thread), once per list: 8,192 characters cost 8-20 ms at 8 wildcards a glob,
-# 22-34 ms with a wildcard every few characters.
-MAX_PERMISSION_CHARS = 8192
+MAX_PERMISSION_CHARS = 8192  # ... and their characters in all
 MAX_GLOB_WILDCARDS = 8  # `*` and `?` in one glob ("github__*", "*__read_*" need one or two)
+# The globs that hold a wildcard or a class (`*`, `?`, `[`) before their end are compiled into
+# one regex at the session's hello, by `re`'s parser in Python, holding the GIL: about 30 us a
+# glob, 2 us a character and 15 us a wildcard (8,192 characters with a star every four: 43 ms
+# of a core, and the victim's pings 2-6x slower while it ran). Their number, their characters
+# and their wildcards in all are capped, so a list compiles in at most 2.7 ms; the others are
+# names, looked up in a set, and prefixes (`github__*`), one str.startswith (`needs_regex`).
+MAX_PATTERNS = 64
+MAX_PATTERN_CHARS = 1024
+MAX_PATTERN_WILDCARDS = 64
 # hello.resume: the key ready gave an earlier connection (secrets.token_hex(16): 32 characters)
 Resume = Annotated[str, msgspec.Meta(min_length=16, max_length=64, pattern="^[A-Za-z0-9_-]+$")]
 
@@ -54,6 +61,13 @@ class ProtocolError(ValueError):
 # Client -> sidecar ------------------------------------------------------------------
 
 
+def needs_regex(glob: str) -> bool:
+    """Whether a permissions glob is matched by a regex: it holds a wildcard or a `[` class
+    anywhere but a last `*` (a name is looked up in a set, a `prefix*` by str.startswith)."""
+    body = glob[:-1] if glob.endswith("*") else glob
+    return "*" in body or "?" in body or "[" in body
+
+
 class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_defaults=True):
     """Opens a session. `tools` narrows or extends the server's catalog for this session:
     a string keeps that server tool, an object is an extra MCP tool definition."""
@@ -72,6 +86,13 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
             raise ValueError(f"permissions hold more than {MAX_PERMISSION_CHARS} characters in all")
         if self.permissions and any(g.count("*") + g.count("?") > MAX_GLOB_WILDCARDS for g in self.permissions):
             raise ValueError(f"a permissions glob holds more than {MAX_GLOB_WILDCARDS} wildcards (* or ?)")
+        patterns = [g for g in self.permissions or () if needs_regex(g)]
+        if len(patterns) > MAX_PATTERNS:
+            raise ValueError(f"more than {MAX_PATTERNS} permissions globs hold a wildcard or class (*, ? or [) before their end")
+        if sum(map(len, patterns)) > MAX_PATTERN_CHARS:
+            raise ValueError(f"the permissions globs with a wildcard or class (*, ? or [) before their end hold more than {MAX_PATTERN_CHARS} characters in all")
+        if sum(g.count("*") + g.count("?") for g in patterns) > MAX_PATTERN_WILDCARDS:
+            raise ValueError(f"the permissions globs hold more than {MAX_PATTERN_WILDCARDS} wildcards (* or ?) in all")
 
 
 class User(msgspec.Struct, tag="user", tag_field="type"):
@@ -272,28 +293,107 @@ def encode_for(msg: ServerMessage, version: int | None) -> bytes:
 def decode_client(frame: str | bytes, max_values: int = MAX_VALUES) -> ClientMessage:
     """A client frame as a typed message, or ProtocolError naming what is wrong. Never
     raises anything else: a frame is untrusted input, and an exception here would close
-    the connection with 1011. `max_values`: see MAX_VALUES."""
+    the connection with 1011. `max_values`: see MAX_VALUES.
+
+    A long frame's work is bounded before msgspec builds anything: one malformed in its
+    first SKIM_CHARS is refused from them alone, and its values are counted piece by piece,
+    refused at the first piece that takes them past `max_values`."""
     if isinstance(frame, (bytes, bytearray, memoryview)):
         try:
             frame = bytes(frame).decode("utf-8")  # a binary frame: the text-frame rule, checked here
         except UnicodeDecodeError as e:
             raise ProtocolError("bad_json", f"malformed JSON: not valid UTF-8 at byte {e.start}") from None
-    marks, bounded = None, False
-    if len(frame) > max_values:  # a long frame: its marks, strings' included, bound those outside them (0.4 ms a megabyte)
-        every = frame.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
-        opening = every.count(b"[") + every.count(b"{")
-        bounded = opening + every.count(b",") <= max_values and opening <= MAX_DEPTH  # neither check can fail: no skeleton
-        if not bounded:
-            marks = _marks(frame, every)  # its skeleton, for both checks below
-    if not bounded and too_many_values(frame, max_values, marks):  # before msgspec builds them all (a list's max_length is checked once built)
-        raise ProtocolError("too_many_values", f"the frame holds more than {max_values} JSON values (commas and brackets outside strings)")
+    skeleton, shallow = None, False
+    if len(frame) > max_values:
+        _refuse_a_bad_start(frame)
+        skeleton = _count_values(frame, max_values)  # before msgspec builds them all (a list's max_length is checked once built)
+        shallow = skeleton is None  # its brackets, strings' included, are too few to nest too deep
     try:
         msg = _client.decode(frame)
     except _DECODE_FAILURES as e:
         raise _explain(frame, e) from None
-    if not bounded and too_deep(frame, marks):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
+    if not shallow and too_deep(frame, skeleton):  # after decoding: a frame that is no message fails in msgspec first, most at their first bytes
         raise ProtocolError("bad_json", TOO_DEEP)
     return msg
+
+
+# A long frame's first characters, checked as JSON before anything reads the rest: a frame
+# malformed there (the nesting attack's `"[" * 65` and a megabyte of quotes; most attacks) is
+# refused at once, whatever follows.
+SKIM_CHARS = 4096
+# Pieces the values of a long frame are counted in, each cut after a character that is not a
+# backslash (no escape spans two): a frame of many values is refused at the first piece that
+# takes it past the bound, not after a scan of all of it.
+PIECE_CHARS = 1 << 16
+_NOT_BACKSLASH = re.compile(r"[^\\]")
+
+
+def _refuse_a_bad_start(frame: str) -> None:
+    """ProtocolError for a frame whose first SKIM_CHARS are no valid start of JSON. Cut there,
+    a frame's JSON is only missing its end (msgspec says "truncated"), unless the cut falls
+    in a number or a literal: any other complaint is checked on the whole frame, which fails
+    at the same byte when it is malformed there."""
+    try:
+        _json.decode(frame[:SKIM_CHARS])
+    except (msgspec.DecodeError, ValueError) as e:
+        if "truncated" in str(e):
+            return
+        try:
+            _json.decode(frame)
+        except (msgspec.DecodeError, ValueError) as err:
+            raise _explain(frame, err) from None
+        except RecursionError:
+            return
+    except RecursionError:
+        return  # deep from its first bytes: the checks that follow tell
+
+
+def _pieces(frame: str) -> Iterator[str]:
+    """`frame` in pieces of about PIECE_CHARS characters, each ending in a character that is
+    not a backslash, so that no escape spans two pieces (a run of backslashes stays whole)."""
+    start, size = 0, PIECE_CHARS
+    while len(frame) - start > size:
+        after = _NOT_BACKSLASH.search(frame, start + size - 1)
+        if after is None:
+            break
+        yield frame[start : after.end()]
+        start = after.end()
+    yield frame[start:]
+
+
+def _count_values(frame: str, most: int) -> bytes | None:
+    """ProtocolError `too_many_values` when the frame holds more than `most` commas and opening
+    brackets outside its strings. Else its skeleton (`_marks`) for the nesting check, or None
+    when even its marks inside strings are under both bounds: then neither check can fail (a
+    long prose turn is counted in 0.4 ms a megabyte and given no skeleton). Piece by piece:
+    the marks of each, strings' included, counted first; once they pass `most`, which lie
+    inside strings is told by the parity of the quotes before each (a running count carried
+    from piece to piece), and the count stops at the piece that passes `most`."""
+    held: list[tuple[str, bytes]] = []  # pieces whose values are not yet told apart
+    skeleton: list[bytes] = []
+    upper = opening = outside = inside = 0  # inside: quotes so far, modulo 2
+    for piece in _pieces(frame):
+        every = piece.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
+        opens = every.count(b"[") + every.count(b"{")
+        upper += opens + every.count(b",")
+        opening += opens
+        held.append((piece, every))
+        if upper <= most:
+            continue
+        for text, marks in held:
+            skeleton.append(_marks(text, marks))
+            codes = np.frombuffer(skeleton[-1], np.uint8)
+            quotes = codes == ord('"')
+            counted = (codes == ord(",")) | (codes == ord("[")) | (codes == ord("{"))
+            parity = (np.cumsum(quotes, dtype=np.uint8) + inside) & 1  # wraps at 256: parity survives
+            outside += int(np.count_nonzero(counted & (parity == 0)))
+            inside = (inside + int(np.count_nonzero(quotes))) & 1
+            if outside > most:
+                raise ProtocolError("too_many_values", f"the frame holds more than {most} JSON values (commas and brackets outside strings)")
+        held.clear()
+    if upper <= most and opening <= MAX_DEPTH:
+        return None
+    return b"".join(skeleton + [_marks(text, marks) for text, marks in held])
 
 
 # Regexes and tables of too_deep: no pattern there backtracks, and the one that matches runs
@@ -310,11 +410,10 @@ def too_deep(frame: str, marks: bytes | None = None) -> bool:
     """Whether a JSON text nests deeper than MAX_DEPTH, or its brackets (outside strings) do
     not balance. A fixed limit: msgspec fails by itself only near the interpreter's recursion
     limit, which depends on the caller's stack (then the same error is given). Checked after a
-    frame decoded as a message, so the frames that are none (`"[" * 65` and a megabyte of
-    quotes: 6 ms a frame of the event loop's when this ran first) fail at their first bytes in
-    msgspec instead. Linear, in C-speed string operations with few matches: escapes go by two replaces
-    (pairs of backslashes, then escaped quotes), everything but brackets and quotes by one
-    bytes.translate, adjacent quotes in pairs (which keeps every other character inside or
+    frame decoded as a message, so the frames that are none fail at their first bytes in
+    msgspec instead. Linear, in C-speed string operations with few matches: escapes go by two
+    replaces (pairs of backslashes, then escaped quotes), everything but brackets and quotes by
+    one bytes.translate, adjacent quotes in pairs (which keeps every other character inside or
     outside its string), and only then the strings left, each holding a bracket; then each
     round drops the innermost bracket pairs. `marks`: the frame's `_marks`, if already made."""
     if frame.count("[") + frame.count("{") <= MAX_DEPTH:  # the common case
@@ -333,32 +432,27 @@ def too_deep(frame: str, marks: bytes | None = None) -> bool:
     return True
 
 
-def too_many_values(frame: str, most: int = MAX_VALUES, marks: bytes | None = None) -> bool:
-    """Whether a frame holds more than `most` commas and opening brackets outside its strings.
-    A frame of no more characters cannot; otherwise its `_marks` are counted, and only when
-    they are more than `most`, strings included, is it told which lie inside strings: by the
-    parity of the quotes before each (a running count, no match per string: 175,000 strings
-    of one comma would be as many regex matches, 25 ms). 0.4-2 ms a megabyte; 5 ms when its
-    strings hold many escaped quotes. `marks`: the frame's `_marks`, if already made."""
-    if len(frame) <= most:  # the common case: each counted mark is a character
+def too_many_values(frame: str, most: int = MAX_VALUES) -> bool:
+    """Whether a frame holds more than `most` commas and opening brackets outside its strings
+    (`_count_values`; a frame of no more characters cannot)."""
+    if len(frame) <= most:
         return False
-    codes = np.frombuffer(_marks(frame) if marks is None else marks, np.uint8)
-    quotes = codes == ord('"')
-    counted = (codes == ord(",")) | (codes == ord("[")) | (codes == ord("{"))
-    if int(np.count_nonzero(counted)) <= most:
-        return False
-    outside = (np.cumsum(quotes, dtype=np.uint8) & 1) == 0  # parity survives the uint8 wrap
-    return int(np.count_nonzero(outside & counted)) > most
+    try:
+        _count_values(frame, most)
+    except ProtocolError:
+        return True
+    return False
 
 
 def _marks(frame: str, every: bytes | None = None) -> bytes:
     """What both checks read of a frame: its brackets, commas and quotes, with escaped
     backslashes and escaped quotes dropped first. `every`: the frame's marks with nothing
     dropped, if already made: they are the answer when no quote is escaped."""
-    if '\\"' not in frame:  # no backslash before a quote: none escapes one
-        return frame.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK) if every is None else every
-    unescaped = frame.replace("\\\\", "").replace('\\"', "")
-    return unescaped.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
+    if '\\"' in frame:  # a backslash before a quote: some may escape it
+        frame = frame.replace("\\\\", "").replace('\\"', "")
+    elif every is not None:
+        return every
+    return frame.encode("utf-8", "surrogatepass").translate(None, _NOT_MARK)
 
 
 def decode_server(frame: str | bytes) -> ServerMessage:

@@ -124,6 +124,76 @@ def test_a_frame_of_many_tiny_values_is_refused_before_they_are_built():
         assert isinstance(msg, p.User) and msg.text == text
 
 
+def _values(v) -> int:
+    """Commas and opening brackets outside strings of json.dumps(v): what MAX_VALUES bounds."""
+    if isinstance(v, list):
+        return 1 + max(len(v) - 1, 0) + sum(map(_values, v))
+    if isinstance(v, dict):
+        return 1 + max(len(v) - 1, 0) + sum(map(_values, v.values()))
+    return 0
+
+
+def test_values_counted_in_pieces_agree_with_the_decoded_value(monkeypatch):
+    """A long frame's values are counted piece by piece, the quotes' parity carried across:
+    with pieces of a few characters (cut anywhere but after a backslash), the count on frames
+    of escaped quotes, backslashes and marks inside strings is still the decoded value's."""
+    import random
+
+    rng = random.Random(15)
+    texts = ['"', "[", ",", "{", "\\", '\\"', "x", "", "\\\\", '""', "é", "\\n"]
+
+    def value(depth: int):
+        if depth == 0 or rng.random() < 0.2:
+            return rng.choice([1, None, "".join(rng.choice(texts) for _ in range(rng.randint(0, 8)))])
+        inner = [value(depth - 1) for _ in range(rng.randint(0, 4))]
+        return inner if rng.random() < 0.6 else {rng.choice(texts) + str(i): x for i, x in enumerate(inner)}
+
+    for size in (1, 2, 5, 64):
+        monkeypatch.setattr(p, "PIECE_CHARS", size)
+        for _ in range(150):
+            v = value(rng.randint(1, 6))
+            frame = json.dumps(v, ensure_ascii=rng.random() < 0.5)
+            assert "".join(p._pieces(frame)) == frame
+            assert all(not piece.endswith("\\") for piece in list(p._pieces(frame))[:-1])
+            n = _values(v)
+            for most in (max(n - 1, 0), n):
+                assert p.too_many_values(frame, most) == (n > most and len(frame) > most), (size, most, frame[:200])
+
+
+def test_a_long_frame_malformed_at_its_start_is_refused_unread(monkeypatch):
+    """A long frame is first decoded in its first SKIM_CHARS: one malformed there (the nesting
+    attack's, a megabyte of quotes after 65 brackets: 3-7 ms of the event loop before) is refused
+    with msgspec's own error, its values never counted. A valid frame cut there in a number is
+    decoded whole, as before."""
+    counted = []
+    monkeypatch.setattr(p, "_count_values", lambda frame, most, real=p._count_values: counted.append(len(frame)) or real(frame, most))
+    for frame in ("[" * 65 + '"' * (1 << 20), "[" * 65 + '\\"' * (1 << 19), '{"type":"user",' + "x" * (1 << 20)):
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode_client(frame)
+        assert e.value.code == "bad_json" and "malformed JSON" in e.value.message
+    assert not counted
+    head = '{"type":"feedback","tool":"t","rating":'
+    frame = head + " " * (p.SKIM_CHARS - len(head) - 2) + '1.5,"query":"' + "q" * (2 * p.MAX_VALUES) + '"}'
+    with pytest.raises(msgspec.DecodeError, match="invalid number"):
+        msgspec.json.decode(frame[: p.SKIM_CHARS])  # the cut falls in the number
+    msg = p.decode_client(frame)
+    assert isinstance(msg, p.Feedback) and msg.rating == 1.5 and len(msg.query) == 2 * p.MAX_VALUES and counted == [len(frame)]
+
+
+def test_a_frame_of_many_values_is_counted_only_up_to_the_piece_that_passes_the_bound(monkeypatch):
+    """Telling a piece's marks inside strings from those outside is the count's costly part:
+    a megabyte of tiny values is refused after the first piece that passes MAX_VALUES (1 MB of
+    `[[[[[[]]]]]]`: 4.8 ms of the event loop counted whole, 0.4 ms now), not after all of it."""
+    told = []
+    monkeypatch.setattr(p, "_marks", lambda frame, *every, real=p._marks: told.append(len(frame)) or real(frame, *every))
+    for v in ('{"a":[[[[[[]]]]]]}', "{}", '"*x1*z"'):
+        told.clear()
+        frame = '{"type":"hello","session":"v","tools":[' + ",".join([v] * (1_000_000 // (len(v) + 1))) + "]}"
+        with pytest.raises(p.ProtocolError, match="JSON values"):
+            p.decode_client(frame)
+        assert 0 < sum(told) <= 3 * p.PIECE_CHARS + 64 < len(frame) / 5  # the 16,384th value is in the first, second, third piece
+
+
 def test_a_long_frame_of_few_marks_is_not_given_a_skeleton(monkeypatch):
     """A long frame whose brackets and commas, strings' included, are under both bounds cannot
     fail either check: it is decoded without its skeleton (a megabyte of tiny clauses: 3.1 ->
@@ -149,12 +219,15 @@ def test_hello_caps_the_permissions_list():
     assert e.value.code == "invalid_field" and "permissions" in e.value.message
     with pytest.raises(p.ProtocolError):
         p.decode_client(json.dumps({**ok, "permissions": ["x" * (p.MAX_GLOB_CHARS + 1)]}))
-    longest = p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS
-    widest = ("a" * 31 + "*") * p.MAX_GLOB_WILDCARDS  # 256 characters, 8 wildcards
-    assert isinstance(p.decode_client(json.dumps({**ok, "permissions": [widest] * longest})), p.Hello)
-    with pytest.raises(p.ProtocolError) as e:  # their characters in all: each list is compiled
-        p.decode_client(json.dumps({**ok, "permissions": [widest] * (longest + 1)}))
-    assert e.value.code == "invalid_field" and "permissions" in e.value.message
+    names = [f"server_{k:03}__" + "n" * 244 for k in range(p.MAX_PERMISSION_CHARS // 256)]  # 256 characters: a set, no compiling
+    widest = ("a" * 15 + "*") * (p.MAX_GLOB_WILDCARDS - 1) + "a" * 15 + "?"  # 128 characters, 8 wildcards: a regex
+    costliest = names[:-4] + [widest] * (p.MAX_PATTERN_CHARS // len(widest))
+    assert isinstance(p.decode_client(json.dumps({**ok, "permissions": costliest})), p.Hello)
+    for over in (names + ["x"], names[:-5] + [widest] * (p.MAX_PATTERN_CHARS // len(widest)) + ["*x"],
+                 ["*a", "b?", "[ab]c"] * (p.MAX_PATTERN_WILDCARDS // 2) + ["*x"], [f"[ab]{k}" for k in range(p.MAX_PATTERNS + 1)]):  # fmt: skip
+        with pytest.raises(p.ProtocolError) as e:  # their characters in all, the patterns' and their wildcards in all
+            p.decode_client(json.dumps({**ok, "permissions": over}))
+        assert e.value.code == "invalid_field" and "permissions" in e.value.message
     for wild in ("*", "?"):  # a wildcard more: a glob costs about 0.3 ms of compiling a wildcard
         with pytest.raises(p.ProtocolError) as e:
             p.decode_client(json.dumps({**ok, "permissions": ["notes__*", "a" + wild * (p.MAX_GLOB_WILDCARDS + 1)]}))
@@ -162,18 +235,23 @@ def test_hello_caps_the_permissions_list():
 
 
 def test_a_sessions_globs_compile_once_as_one_regex_that_does_not_backtrack():
-    """Globs of the most characters a hello may hold, stars throughout, are compiled once and
-    matched within a bound; they match as fnmatch does."""
-    globs = tuple((f"*{k}-" * p.MAX_GLOB_CHARS)[: p.MAX_GLOB_CHARS] for k in range(p.MAX_PERMISSION_CHARS // p.MAX_GLOB_CHARS))
+    """The patterns of the most characters and wildcards a hello may hold are compiled once
+    and matched within a bound, the names beside them looked up; they match as fnmatch does."""
+    part = p.MAX_PATTERN_CHARS // p.MAX_PATTERN_WILDCARDS  # 16 characters a wildcard, 8 wildcards a glob
+    patterns = tuple(("*" + (f"{k}-" * part)[: part - 1]) * p.MAX_GLOB_WILDCARDS for k in range(p.MAX_PATTERN_WILDCARDS // p.MAX_GLOB_WILDCARDS))
+    assert sum(map(len, patterns)) <= p.MAX_PATTERN_CHARS and sum(g.count("*") for g in patterns) <= p.MAX_PATTERN_WILDCARDS
+    globs = patterns + tuple(f"server__tool_{k}" for k in range(p.MAX_PERMISSIONS - len(patterns)))
     compiled = _within(2.0, filters._globs, globs)
-    assert filters._globs(globs) is compiled
-    name = "1-" * 80 + "x"  # holds all but a few of the second glob's 85 parts: a backtracking matcher's worst
-    assert _within(0.5, compiled.match, name) is None
-    samples = ["git__*", "*read*", "notes__?ead_note", "[!x]*__list_*", "exact_name"]
+    assert filters._globs(globs) is compiled and len(compiled.names) == p.MAX_PERMISSIONS - len(patterns)
+    name = "1-" * 80 + "x"  # holds all but a few of the second glob's parts: a backtracking matcher's worst
+    assert not _within(0.5, compiled.match, name)
+    assert compiled.match("server__tool_7") and compiled.match("y" + patterns[0].replace("*", "")) and not compiled.match("server__tool_")
+    assert filters._globs(("git__*", "notes__read_note")).prefixes == ("git__",)
+    samples = ["git__*", "*read*", "notes__?ead_note", "[!x]*__list_*", "exact_name", "[ab]__list_b", "*", "notes__*_note"]
     for tool in ["git__status", "notes__read_note", "filesystem__read_file", "exact_name", "a__list_b", "x__list_b"]:
         for glob in samples:
-            assert (filters._globs((glob,)).match(tool) is not None) == fnmatch.fnmatchcase(tool, glob), (tool, glob)
-    assert filters._globs(()).match("anything") is None  # an empty allow list allows nothing
+            assert filters._globs((glob,)).match(tool) == fnmatch.fnmatchcase(tool, glob), (tool, glob)
+    assert not filters._globs(()).match("anything")  # an empty allow list allows nothing
 
 
 @pytest.mark.parametrize("description", [

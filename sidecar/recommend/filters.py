@@ -15,6 +15,7 @@ import msgspec
 import regex
 
 from ..catalog import Tool
+from ..protocol import needs_regex
 from .intent import ToolProfile
 
 
@@ -84,16 +85,30 @@ def _norm(tag: str) -> str:
 
 def _matches(tool: Tool, patterns: list[str]) -> bool:
     glob = _globs(tuple(patterns))
-    return glob.match(tool.name) is not None or glob.match(tool.bare_name) is not None
+    return glob.match(tool.name) or glob.match(tool.bare_name)
+
+
+class Globs:
+    """A session's globs, matched with no Python call per glob: the names among them in a
+    set, the prefixes (`github__*`) in one str.startswith, the rest (`protocol.needs_regex`) in
+    one compiled alternation (fnmatch's own cache holds 32,768 globs, so hellos of many long
+    lists recompiled them on every match: issue 33). fnmatch translates every star but the
+    last into an atomic group, so no glob backtracks; compiling costs about 30 us a glob and 2
+    us a character, which the hello's caps on those globs bound."""
+
+    def __init__(self, globs: Sequence[str]):
+        self.names = frozenset(g for g in globs if not needs_regex(g) and not g.endswith("*"))
+        self.prefixes = tuple(g[:-1] for g in globs if not needs_regex(g) and g.endswith("*"))
+        patterns = [g for g in globs if needs_regex(g)]
+        self.regex = re.compile("|".join(map(fnmatch.translate, patterns))) if patterns else None
+
+    def match(self, name: str) -> bool:
+        return name in self.names or name.startswith(self.prefixes) or (self.regex is not None and self.regex.match(name) is not None)
 
 
 @functools.lru_cache(maxsize=64)
-def _globs(patterns: tuple[str, ...]) -> re.Pattern:
-    """One compiled alternation of a session's globs: matching a name is one pass of the
-    regex engine, not one Python call per glob (fnmatch's own cache holds 32,768 globs, so
-    hellos of many long lists recompiled them on every match: issue 33). fnmatch translates
-    every star but the last into an atomic group, so no glob backtracks."""
-    return re.compile("|".join(fnmatch.translate(p) for p in patterns) or "(?!)")
+def _globs(patterns: tuple[str, ...]) -> Globs:
+    return Globs(patterns)
 
 
 def compile_permissions(patterns: Sequence[str]) -> None:
