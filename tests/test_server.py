@@ -987,6 +987,26 @@ def test_serve_freezes_what_it_loaded_out_of_the_collectors_scans(tmp_path):
     assert 0 <= seen['sidecar_gc_pause_max_seconds{generation="2"}'] <= seen['sidecar_gc_pause_seconds_total{generation="2"}'] + 1e-9
 
 
+def test_a_metrics_scrape_does_not_walk_the_frozen_heap(small, monkeypatch):
+    """gc.get_freeze_count walks every frozen object: 13 ms of the event loop, every client's,
+    at each /metrics scrape of a MiniLM server (16 ms a scrape, 3 ms without it). The count is
+    kept from the freeze."""
+    import gc
+
+    from sidecar import telemetry
+
+    async def main():
+        async with serving(small) as srv:
+            frozen = telemetry.freeze_loaded_heap()
+            try:
+                monkeypatch.setattr(gc, "get_freeze_count", lambda: pytest.fail("/metrics walked the frozen heap"))
+                assert f"sidecar_python_frozen_objects {float(frozen)}\n".encode() in srv.metrics.render()
+            finally:
+                gc.unfreeze()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
 def test_sigterm_finishes_in_flight_work_and_closes_with_1001(tmp_path):
     async def body():
         with serve_process(serve_args(tmp_path), tmp_path) as served:
