@@ -6,7 +6,7 @@ Concurrency, in one place:
   connection's Session (session.py) and queues spans in `Pending`; it never embeds;
 - one worker thread owns the model: a dispatcher task hands it one bounded batch at a time
   (`Pending.take`: round-robin over connections, at most `max_batch_spans` spans and about
-  `max_batch_ms` of estimated work, `shared_batch_ms` while other connections share the
+  `max_batch_ms` of estimated work, `shared_batch_ms` while a light connection shares the
   model), and it judges them (`session.judge`: `Sidecar.judge`
   once per engine, so many streams share one llama.cpp call); while it works, new spans
   queue (and, under overload, supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
@@ -683,8 +683,10 @@ class SidecarServer:
         the model to itself, or while more than a big batch waits spread over many connections
         (no one holds half of it): then every stream is a neighbour's victim alike and bigger
         batches judge more a second (the model embeds a batch of texts at a lower cost per
-        text; 250 ms batches judged about 1.6 times the spans 40 ms ones did at saturation).
-        One connection flooding the queue keeps the batches short for the others."""
+        text; 250 ms batches judged about 1.6 times the spans 40 ms ones did at saturation),
+        and while every connection sharing the model is busy (none `_light`): then no one's
+        next span waits less for a short batch. One connection flooding the queue keeps the
+        batches short for the others."""
         while self._answered and now - next(iter(self._answered.values())) > SHARED_WINDOW_S:
             self._answered.popitem(last=False)
         owners = self.pending.owners() | self._answered.keys()
@@ -695,7 +697,17 @@ class SidecarServer:
         saturated = self.pending.weight_total * (self._cost_per_char or 0.0) * 1000 > self.limits.max_batch_ms
         if saturated and self.pending.heaviest_share() < SATURATED_SHARE:
             return self.limits.max_batch_ms
+        if not between and not any(map(self._light, owners)):  # all busy: round-robin keeps them fair, big batches judge more
+            return self.limits.max_batch_ms
         return min(self.limits.max_batch_ms, self.limits.shared_batch_ms)
+
+    def _light(self, session: Session) -> bool:
+        """Whether a connection that shares the model is one whose next span a short batch
+        speeds up: at most one span of its waiting, and not held for sending faster than the
+        model judges. Short batches cost throughput (8 connections flooding judged 70-79 spans
+        a second with shared_batch_ms = 15, 88-89 with 40), which only such a connection gains."""
+        conn = self.connections.get(session)
+        return conn is not None and self.pending.count(session) <= 1 and conn.held_until <= time.monotonic()
 
     def _cost(self, ev: Evaluation) -> float:
         """A span's estimated share of a batch's time on the model thread, in seconds."""

@@ -184,10 +184,12 @@ def test_batches_are_bounded_in_milliseconds(small):
     assert m['sidecar_batch_size_bucket{le="1.0"}'] == m["sidecar_batch_size_count"]
 
 
-def test_batches_shrink_to_shared_batch_ms_while_another_connection_waits(small):
-    """A lone stream keeps big batches (throughput); once a second connection has spans
-    waiting or was just answered, each batch stops at about shared_batch_ms, so a span that
-    arrives behind it waits one short batch (issue 33)."""
+def test_batches_shrink_to_shared_batch_ms_while_a_light_connection_shares_the_model(small):
+    """A lone stream keeps big batches (throughput); once a second connection with at most one
+    span waiting has spans waiting or was just answered, each batch stops at about
+    shared_batch_ms, so its span that arrives behind one waits a short batch (issue 33). Two
+    busy connections (many spans waiting each) keep big batches: round-robin keeps them fair,
+    and a short batch would speed up neither's next span."""
 
     async def body():
         async with serving(small, max_batch_ms=120_000, shared_batch_ms=0.001, stale_ms=120_000, shed_ms=120_000) as srv, \
@@ -195,26 +197,37 @@ def test_batches_shrink_to_shared_batch_ms_while_another_connection_waits(small)
             await a.user("warm", "Please make a note called warm up.")  # measures the model's cost
             await until(a, lambda m: isinstance(m, p.DecisionReport))
             await asyncio.sleep(SHARED_WINDOW_S + 0.2)
-            before = (await metrics_of(srv))["sidecar_batch_size_count"]
-            for i in range(24):
-                await a.user(f"a{i}", f"Please make a note called alone {i}.")
-            await until(a, lambda m: isinstance(m, p.DecisionReport) and m.stream == "a23", limit=100)
-            alone = (await metrics_of(srv))["sidecar_batch_size_count"] - before
-            async with await SidecarClient.connect(srv.url, session="b", decisions=True) as b:
-                await b.user("b0", "Please make a note called beside.")
-                await until(b, lambda m: isinstance(m, p.DecisionReport))
-                before = (await metrics_of(srv))["sidecar_batch_size_count"]
-                for i in range(12):
-                    await a.user(f"s{i}", f"Please make a note called shared {i}.")
-                    await b.user(f"t{i}", f"Please make a note called together {i}.")
-                await until(a, lambda m: isinstance(m, p.DecisionReport) and m.stream == "s11", limit=100)
-                await until(b, lambda m: isinstance(m, p.DecisionReport) and m.stream == "t11", limit=100)
-                shared = (await metrics_of(srv))["sidecar_batch_size_count"] - before
-            return alone, shared
 
-    alone, shared = run(body())
+            async def batches(send, last: str) -> float:
+                before = (await metrics_of(srv))["sidecar_batch_size_count"]
+                await send()
+                await until(a, lambda m: isinstance(m, p.DecisionReport) and m.stream == last, limit=200)
+                return (await metrics_of(srv))["sidecar_batch_size_count"] - before
+
+            async def flood(tag: str) -> None:
+                for i in range(24):
+                    await a.user(f"{tag}{i}", f"Please make a note called {tag} {i}.")
+
+            alone = await batches(lambda: flood("alone"), "alone23")
+            async with await SidecarClient.connect(srv.url, session="b", decisions=True) as b:
+                await b.user("b0", "Please make a note called beside.")  # light: one span, answered
+                await until(b, lambda m: isinstance(m, p.DecisionReport))
+                beside_light = await batches(lambda: flood("light"), "light23")
+                await asyncio.sleep(SHARED_WINDOW_S + 0.2)
+
+                async def both() -> None:
+                    for i in range(24):
+                        await b.user(f"t{i}", f"Please make a note called together {i}.")
+                    await flood("busy")
+
+                beside_busy = await batches(both, "busy23")
+                await until(b, lambda m: isinstance(m, p.DecisionReport) and m.stream == "t23", limit=200)
+            return alone, beside_light, beside_busy
+
+    alone, beside_light, beside_busy = run(body())
     assert alone <= 8, alone  # a lone stream's 24 spans went in a few big batches
-    assert shared == 24, shared  # two connections: a budget below one span's cost takes one span a batch
+    assert beside_light >= 24, beside_light  # a light neighbour: a budget below one span's cost takes one span a batch
+    assert beside_busy <= 24, beside_busy  # two busy connections, 48 spans: big batches again
 
 
 def test_a_hello_of_huge_descriptions_is_sliced_by_estimated_work():
