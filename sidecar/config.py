@@ -142,10 +142,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_batch_spans: int = 64
     max_batch_ms: float = 250.0
     # ... but while two or more connections have spans waiting or were answered within the last
-    # second, one of them with at most one span waiting, a batch stops at about shared_batch_ms,
-    # and ("between") a hello's new tools are embedded about that much estimated work a job: a
-    # span that arrives while another connection's batch is judged waits about this, not
-    # max_batch_ms (issue 33). A lone stream, or busy ones only, keep the big batches.
+    # second, one of them light (at most one span waiting) and one busy, a batch stops at about
+    # shared_batch_ms, and ("between") a hello's new tools are embedded about that much
+    # estimated work a job: a light connection's span that arrives while a busy one's batch is
+    # judged waits about this, not max_batch_ms (issue 33). A lone stream, and connections
+    # all light or all busy, keep the big batches.
     shared_batch_ms: float = 15.0
     # hello.tools may define at most this many new tools. "beside": they are embedded on a
     # second context of the model (its own threads, loaded at the first such hello), beside the

@@ -7,7 +7,7 @@ Concurrency, in one place:
 - one worker thread owns the model: a dispatcher task hands it one bounded batch at a time
   (`Pending.take`: round-robin over connections, at most `max_batch_spans` spans and about
   `max_batch_ms` of estimated work, `shared_batch_ms` while a light connection shares the
-  model), and it judges them (`session.judge`: `Sidecar.judge`
+  model with a busy one), and it judges them (`session.judge`: `Sidecar.judge`
   once per engine, so many streams share one llama.cpp call); while it works, new spans
   queue (and, under overload, supersede); an `end` is answered with `ended` once none of the stream's spans wait and the
   batch that held its last ones is delivered;
@@ -684,8 +684,10 @@ class SidecarServer:
         (no one holds half of it): then every stream is a neighbour's victim alike and bigger
         batches judge more a second (the model embeds a batch of texts at a lower cost per
         text; 250 ms batches judged about 1.6 times the spans 40 ms ones did at saturation),
-        and while every connection sharing the model is busy (none `_light`): then no one's
-        next span waits less for a short batch. One connection flooding the queue keeps the
+        and while the connections sharing the model are all busy or all light (`_light`):
+        short batches only shorten a light connection's wait behind a busy one's (at 1x load,
+        61 light streams, they cut the model's throughput under the load and decisions took
+        190 ms at the median instead of 16-22). One connection flooding the queue keeps the
         batches short for the others."""
         while self._answered and now - next(iter(self._answered.values())) > SHARED_WINDOW_S:
             self._answered.popitem(last=False)
@@ -697,17 +699,19 @@ class SidecarServer:
         saturated = self.pending.weight_total * (self._cost_per_char or 0.0) * 1000 > self.limits.max_batch_ms
         if saturated and self.pending.heaviest_share() < SATURATED_SHARE:
             return self.limits.max_batch_ms
-        if not between and not any(map(self._light, owners)):  # all busy: round-robin keeps them fair, big batches judge more
+        live = [o for o in owners if o in self.connections]
+        if not between and sum(map(self._light, live)) in (0, len(live)):  # all busy, or all light: no neighbour's batch to wait out
             return self.limits.max_batch_ms
         return min(self.limits.max_batch_ms, self.limits.shared_batch_ms)
 
     def _light(self, session: Session) -> bool:
         """Whether a connection that shares the model is one whose next span a short batch
-        speeds up: at most one span of its waiting, and not held for sending faster than the
-        model judges. Short batches cost throughput (8 connections flooding judged 70-79 spans
-        a second with shared_batch_ms = 15, 88-89 with 40), which only such a connection gains."""
-        conn = self.connections.get(session)
-        return conn is not None and self.pending.count(session) <= 1 and conn.held_until <= time.monotonic()
+        can speed up: at most one span of its waiting, not held for sending faster than the
+        model judges, and read (not paused on a full outbox); else busy. Short batches cost
+        throughput (8 connections flooding judged 63-87 spans a second with short batches for
+        everyone, 88-99 with 40 ms ones), which only such a connection gains."""
+        conn = self.connections[session]
+        return self.pending.count(session) <= 1 and conn.held_until <= time.monotonic() and not conn.over_quota()
 
     def _cost(self, ev: Evaluation) -> float:
         """A span's estimated share of a batch's time on the model thread, in seconds."""

@@ -185,11 +185,11 @@ def test_batches_are_bounded_in_milliseconds(small):
 
 
 def test_batches_shrink_to_shared_batch_ms_while_a_light_connection_shares_the_model(small):
-    """A lone stream keeps big batches (throughput); once a second connection with at most one
-    span waiting has spans waiting or was just answered, each batch stops at about
-    shared_batch_ms, so its span that arrives behind one waits a short batch (issue 33). Two
-    busy connections (many spans waiting each) keep big batches: round-robin keeps them fair,
-    and a short batch would speed up neither's next span."""
+    """A lone stream keeps big batches (throughput); once a light connection (at most one span
+    waiting) that has spans waiting or was just answered shares the model with a busy one, each
+    batch stops at about shared_batch_ms, so the light one's span that arrives behind one waits
+    a short batch (issue 33). Two busy connections (many spans waiting each) keep big batches:
+    round-robin keeps them fair, and a short batch would speed up neither's next span."""
 
     async def body():
         async with serving(small, max_batch_ms=120_000, shared_batch_ms=0.001, stale_ms=120_000, shed_ms=120_000) as srv, \
