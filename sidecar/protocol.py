@@ -61,6 +61,11 @@ class ProtocolError(ValueError):
 # Client -> sidecar ------------------------------------------------------------------
 
 
+def wildcards(glob: str) -> int:
+    """A permissions glob's wildcards (`*` and `?`), which the hello's caps count."""
+    return glob.count("*") + glob.count("?")
+
+
 def needs_regex(glob: str) -> bool:
     """Whether a permissions glob is matched by a regex: it holds a wildcard or a `[` class
     anywhere but a last `*` (a name is looked up in a set, a `prefix*` by str.startswith)."""
@@ -84,14 +89,14 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True, omit_de
     def __post_init__(self) -> None:
         if self.permissions and sum(map(len, self.permissions)) > MAX_PERMISSION_CHARS:
             raise ValueError(f"permissions hold more than {MAX_PERMISSION_CHARS} characters in all")
-        if self.permissions and any(g.count("*") + g.count("?") > MAX_GLOB_WILDCARDS for g in self.permissions):
+        if self.permissions and any(wildcards(g) > MAX_GLOB_WILDCARDS for g in self.permissions):
             raise ValueError(f"a permissions glob holds more than {MAX_GLOB_WILDCARDS} wildcards (* or ?)")
         patterns = [g for g in self.permissions or () if needs_regex(g)]
         if len(patterns) > MAX_PATTERNS:
             raise ValueError(f"more than {MAX_PATTERNS} permissions globs hold a wildcard or class (*, ? or [) before their end")
         if sum(map(len, patterns)) > MAX_PATTERN_CHARS:
             raise ValueError(f"the permissions globs with a wildcard or class (*, ? or [) before their end hold more than {MAX_PATTERN_CHARS} characters in all")
-        if sum(g.count("*") + g.count("?") for g in patterns) > MAX_PATTERN_WILDCARDS:
+        if sum(map(wildcards, patterns)) > MAX_PATTERN_WILDCARDS:
             raise ValueError(f"the permissions globs hold more than {MAX_PATTERN_WILDCARDS} wildcards (* or ?) in all")
 
 

@@ -97,9 +97,15 @@ class Globs:
     us a character, which the hello's caps on those globs bound."""
 
     def __init__(self, globs: Sequence[str]):
-        self.names = frozenset(g for g in globs if not needs_regex(g) and not g.endswith("*"))
-        self.prefixes = tuple(g[:-1] for g in globs if not needs_regex(g) and g.endswith("*"))
-        patterns = [g for g in globs if needs_regex(g)]
+        names, prefixes, patterns = set(), [], []
+        for g in globs:
+            if needs_regex(g):
+                patterns.append(g)
+            elif g.endswith("*"):
+                prefixes.append(g[:-1])
+            else:
+                names.add(g)
+        self.names, self.prefixes = frozenset(names), tuple(prefixes)
         self.regex = re.compile("|".join(map(fnmatch.translate, patterns))) if patterns else None
 
     def match(self, name: str) -> bool:
