@@ -19,9 +19,11 @@ Attacks: the issue's (nesting backtrack frame, long permissions list, one token 
 clauses, hello descriptions that backtrack, foreign origin, silent connections filling the
 places), hellos of a megabyte of tiny values, and the earlier ones of tests/test_hardening.py
 (frames that closed with 1011, long adversarial turns, oversized frames, huge stored strings,
-a connection that floods spans, a client that never reads). First a control that is no
+a connection that floods spans, a client that never reads). First two controls that are no
 attack: the attacker's process busy on its core, sending nothing (`cpu_burn`): what sharing the
-two cores with any busy process costs the victim, the floor under every other row.
+two cores with any busy process costs the victim, the floor under every other row; and a
+client within every limit that keeps the model thread saturated (`model_busy`): what a busy
+model costs the victim, whoever keeps it busy.
 
     .venv/bin/python bench/attacks.py --json > attacks.json
     .venv/bin/python bench/attacks.py --only nesting tiny_clauses --seconds 3
@@ -375,8 +377,39 @@ async def attack_cpu_burn(url: str, deadline: float, tally: Tally) -> None:
         await asyncio.sleep(0)
 
 
+async def attack_model_busy(url: str, deadline: float, tally: Tally) -> None:
+    """A second control, no attack either: a client within every limit that keeps the model
+    thread busy, a token frame of 64 new clauses every 250 ms (more spans a second than one
+    MiniLM thread judges), every answer read. What the victim loses here is what a saturated
+    model thread costs it, whoever saturates it."""
+
+    async def body(ws, i):
+        await _hello(ws, f"busy-{i}")
+
+        async def read():
+            async for raw in ws:
+                tally.reply(raw)
+
+        reader = asyncio.create_task(read())
+        k = 0
+        try:
+            while time.monotonic() < deadline:
+                k += 1
+                delta = "".join(f"Next I will look into {TOPICS[(k + j) % len(TOPICS)]}, part {k}.{j}.\n" for j in range(64))
+                if not (await send_by(ws, json.dumps({"type": "token", "stream": f"b{k}", "delta": delta}), deadline)
+                        and await send_by(ws, json.dumps({"type": "end", "stream": f"b{k}"}), deadline)):  # fmt: skip
+                    return
+                tally.frames += 2
+                await asyncio.sleep(0.25)
+        finally:
+            reader.cancel()
+
+    await _each_connection(url, deadline, tally, body)
+
+
 ATTACKS = {
     "cpu_burn": attack_cpu_burn,
+    "model_busy": attack_model_busy,
     "nesting": attack_nesting,
     "long_permissions": attack_long_permissions,
     "tiny_clauses": attack_tiny_clauses,

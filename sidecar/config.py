@@ -29,11 +29,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
     bulk_threads: int | None = None  # threads for index builds and tunes of 256+ texts (default: every core)
+    # numpy's BLAS threads in the serving processes (serve, proxy, mcp); 0: numpy's default, a
+    # thread per core, which spin between calls (telemetry.limit_blas_threads)
+    blas_threads: int = 1
     task_prefixes: Literal["auto", "on", "off"] = "auto"  # auto: the model's measured default
     pull: bool = True  # provision a known model (or quantise its variant) on first use
 
     def __post_init__(self) -> None:
         models.check_name(self.name)  # a known model's unknown variant fails at load
+        if self.blas_threads < 0:
+            raise ValueError(f"model.blas_threads={self.blas_threads} must be 0 (numpy's default) or more")
 
 
 class GateConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -338,6 +343,7 @@ ENV = {
     "SIDECAR_MODELS_DIR": ("model", "dir"),
     "SIDECAR_THREADS": ("model", "threads"),
     "SIDECAR_BULK_THREADS": ("model", "bulk_threads"),
+    "SIDECAR_BLAS_THREADS": ("model", "blas_threads"),
     "SIDECAR_STORE": ("store",),
     "SIDECAR_CALIBRATION": ("calibration",),
     "SIDECAR_PATTERNS": ("gate", "patterns"),
@@ -346,7 +352,7 @@ ENV = {
     "SIDECAR_TOKEN": ("server", "token"),
     "SIDECAR_UPSTREAM": ("proxy", "upstream"),
 }
-_INTEGERS = ("threads", "bulk_threads", "port")  # env values converted when they are digits
+_INTEGERS = ("threads", "bulk_threads", "blas_threads", "port")  # env values converted when they are digits
 
 
 def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:

@@ -75,7 +75,7 @@ from .session import (
     session_catalog,
 )
 from .store import Store
-from .telemetry import Metrics, freeze_loaded_heap, pin_mmap_threshold
+from .telemetry import Metrics, freeze_loaded_heap, limit_blas_threads, pin_mmap_threshold
 from .web import Web, peer
 
 log = logging.getLogger("sidecar.server")
@@ -896,6 +896,7 @@ async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print
     Returns the exit status (2 when the model or index cannot be loaded). `progress`: bars on
     stderr while the catalog is indexed."""
     pin_mmap_threshold()  # a long-running process: big freed buffers go back to the OS (issue 13)
+    limit_blas_threads(cfg.model.blas_threads)  # no spinning BLAS thread on the event loop's core
     server = SidecarServer(cfg, catalog=catalog, store=store, progress=progress, mcp=mcp)
     await server.start()  # binds (so /healthz can say 503 while loading), then loads
     announce(f"loading {cfg.model.name}")

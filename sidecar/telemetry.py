@@ -163,6 +163,8 @@ class _Live(Collector):
             longest.add_metric((str(gen),), pauses.longest[gen])
         yield total
         yield longest
+        if _blas_threads is not None:
+            yield _gauge("sidecar_blas_threads", "Threads numpy's BLAS may use in this process (model.blas_threads).", _blas_threads)
         yield _gauge("sidecar_python_frozen_objects", "Objects loaded at start-up that the garbage collector no longer scans "
                      "(gc.freeze: freeze_loaded_heap).", _frozen_objects)  # fmt: skip
         yield _gauge("sidecar_session_streams", "Stream states the open connections remember (open, ended and user-turn ones).",
@@ -259,6 +261,26 @@ def pin_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
     if libs is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     return bool(libs[0].mallopt(M_MMAP_THRESHOLD, size))
+
+
+_blas_threads: int | None = None  # numpy's BLAS threads once limit_blas_threads ran (None: not run, or no BLAS found)
+
+
+def limit_blas_threads(threads: int) -> int | None:
+    """Hold numpy's BLAS (OpenBLAS in numpy's wheels) to `threads` threads for the process; 0
+    leaves its default, a thread per core. Returns the threads it then has (None: no BLAS
+    library loaded), kept for /metrics. A serving process wants one: OpenBLAS's threads spin
+    between calls, so with the model thread saturated, its batches' small matrix products
+    kept a second thread at 100% of the other core of 2, the core the event loop and the
+    clients needed (docs/configuration.md, `blas_threads`)."""
+    global _blas_threads
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    if threads > 0:
+        threadpool_limits(threads, user_api="blas")  # not used as a context: kept for the process
+    found = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    _blas_threads = max(found) if found else None
+    return _blas_threads
 
 
 class GcPauses:

@@ -975,16 +975,33 @@ def test_the_startup_line_names_the_model_the_catalogs_and_the_store(tmp_path):
 def test_serve_freezes_what_it_loaded_out_of_the_collectors_scans(tmp_path):
     """A full garbage collection scanned the whole loaded heap holding the GIL: 58-78 ms in
     which no client was answered (issue 33). `sidecar serve` freezes what it loaded, and
-    /metrics shows it beside the collector's counts."""
+    /metrics shows it beside the collector's counts. It also holds numpy's BLAS to one thread
+    (model.blas_threads), whatever the environment asked of OpenBLAS."""
     async def body():
-        with serve_process(serve_args(tmp_path), tmp_path) as served:
+        with serve_process(serve_args(tmp_path), tmp_path, env={"OPENBLAS_NUM_THREADS": "4", "SIDECAR_BLAS_THREADS": None}) as served:
             port = int(served.url.rsplit(":", 1)[1])
             return parse_metrics((await http_get(port, "/metrics"))[2])
 
     seen = run(body())
+    assert seen["sidecar_blas_threads"] == 1
     assert seen["sidecar_python_frozen_objects"] > 50_000  # the model's wrappers, the catalog, the calibration, the patterns
     assert 'python_gc_collections_total{generation="2"}' in seen
     assert 0 <= seen['sidecar_gc_pause_max_seconds{generation="2"}'] <= seen['sidecar_gc_pause_seconds_total{generation="2"}'] + 1e-9
+
+
+def test_blas_threads_are_limited_for_the_process_or_left_at_numpys_default():
+    """OpenBLAS's threads spin between calls: with the model thread saturated, a second one
+    held the other core of two at 100%, and a client's pings waited for it (issue 33). In a
+    fresh interpreter (the limit is process-wide): 0 leaves what OpenBLAS chose (a thread per
+    core), a limit holds until changed, and without numpy loaded there is nothing to limit."""
+    code = ("from sidecar.telemetry import limit_blas_threads as limit; print(limit(0)); import numpy; "
+            "print(limit(0), limit(1), limit(0), limit(2))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=True).stdout
+    before_numpy, default, one, kept, two = out.split()
+    assert before_numpy == "None"
+    assert int(default) >= 1 and (one, kept) == ("1", "1")
+    assert int(two) == min(2, int(default))  # OpenBLAS has at most a thread per core
 
 
 def test_a_metrics_scrape_does_not_walk_the_frozen_heap(small, monkeypatch):

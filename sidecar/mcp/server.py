@@ -35,6 +35,7 @@ from ..config import Config
 from ..engine import Sidecar, open_history
 from ..metrics import key_of
 from ..store import Store
+from ..telemetry import limit_blas_threads
 from . import meta
 from .calls import call_recorded, error, result
 from .connections import ConnectionManager, ServerUnavailable, describe
@@ -220,6 +221,7 @@ async def serve_http(app: MetaServer, host: str, port: int, announce: Callable[[
 async def run(config, cfg: Config, store: Store, *, http: tuple[str, int] | None = None,
               announce: Callable[[str], None] = lambda m: None) -> int:  # fmt: skip
     """Serve until the client hangs up (stdio) or a signal (HTTP); closes every server."""
+    limit_blas_threads(cfg.model.blas_threads)  # no spinning BLAS thread on the event loop's core
     async with ConnectionManager(config) as manager:
         app = MetaServer(manager, cfg, store)
         try:

@@ -36,7 +36,7 @@ from ..engine import Sidecar
 from ..learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
-from ..telemetry import CONTENT_TYPE, ProxyMetrics
+from ..telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
 from ..traffic import Turn
 from ..web import _hostname, _loopback
 from . import shapes
@@ -605,6 +605,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def run(cfg: Config, catalog: Catalog | None, store: Store, announce=print, mcp: McpConfig | None = None, progress: bool = True) -> int:
     """`sidecar proxy`: load, listen, serve until SIGTERM/SIGINT. Returns the exit status."""
+    limit_blas_threads(cfg.model.blas_threads)  # no spinning BLAS thread on the event loop's core
     announce(f"loading {cfg.model.name}")
     server = ProxyServer(cfg, catalog=catalog, store=store, mcp=mcp, progress=progress)
     stop = asyncio.Event()
