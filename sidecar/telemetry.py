@@ -245,22 +245,27 @@ def native_memory() -> NativeMemory | None:
                         sqlite=sqlite.sqlite3_memory_used() if sqlite is not None else 0)  # fmt: skip
 
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
-MMAP_THRESHOLD = 128 * 1024  # glibc's initial threshold, kept
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD = 2 << 20  # above max_frame_bytes' default: a megabyte frame's buffers are reused, not mapped anew
+TRIM_THRESHOLD = 4 << 20  # free memory a heap keeps at its top before giving it back
 
 
-def pin_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
-    """Keep glibc's mmap threshold at `size` (mallopt), so blocks at least that large are
-    always mapped and unmapped on free. By default glibc raises the threshold to the largest
-    block freed (up to 32 MiB); big short-lived buffers (a batch's arrays, a query's rows) are
-    then carved from the heaps, whose freed space stays with the process: in bench/soak.py the
-    free bytes malloc held grew in steps, 2.5 to 6.7 MB in 6 minutes, and stayed within
-    1.5-2.4 MB pinned. Not done when MALLOC_MMAP_THRESHOLD_ is set (glibc already obeys it); False
+def pin_mmap_threshold(size: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
+    """Keep glibc's mmap threshold at `size` and its trim threshold at `trim` (mallopt), so
+    blocks at least `size` large are always mapped and unmapped on free, and a heap keeps at
+    most `trim` free at its top. By default glibc raises the mmap threshold to the largest
+    block freed (up to 32 MiB, the trim threshold to twice that); big short-lived buffers are
+    then carved from the heaps, whose freed space stays with the process: in bench/soak.py
+    the free bytes malloc held grew in steps, 2.5 to 6.7 MB in 6 minutes, and stayed within
+    1.5-2.4 MB pinned at 128 KiB. But at 128 KiB every buffer of a megabyte frame (the
+    websocket's, its text, its decoded delta) was a fresh mapping whose pages fault when first
+    written: decoding a 1 MB token frame took 2.4 ms of the event loop instead of 0.9 ms
+    (issue 33). Not done when MALLOC_MMAP_THRESHOLD_ is set (glibc already obeys it); False
     off glibc."""
     libs = _libs()
     if libs is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    return bool(libs[0].mallopt(M_MMAP_THRESHOLD, size))
+    return bool(libs[0].mallopt(M_MMAP_THRESHOLD, size)) and bool(libs[0].mallopt(M_TRIM_THRESHOLD, trim))
 
 
 _blas_threads: int | None = None  # numpy's BLAS threads once limit_blas_threads ran (None: not run, or no BLAS found)
