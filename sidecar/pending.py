@@ -145,8 +145,10 @@ class Pending:
         """Drop whole streams while the waiting spans' weight exceeds `budget`: each time,
         the stream with the most weight of the connection with the most weight, oldest span
         first, and of the last one only what the budget needs (a lone flooding stream keeps
-        its newest spans). Returns how many spans went (counted as "shed"). O(1) when
-        within the budget, else O(n log n) in the spans waiting."""
+        its newest spans). The last span waiting is never shed: it holds no one up, and a
+        lone long user turn whose estimate passed the budget (a 4,200-character turn after
+        one short one, with nomic) went unanswered. Returns how many spans went (counted as
+        "shed"). O(1) when within the budget, else O(n log n) in the spans waiting."""
         if self.weight_total <= budget:
             return 0
         streams: dict[Any, dict[Any, list]] = defaultdict(lambda: defaultdict(list))  # group -> stream -> [(key, weight)]
@@ -160,11 +162,11 @@ class Pending:
         heapq.heapify(heap)
         order = {g: sorted(by.values(), key=lambda spans: -sum(c for _, c in spans)) for g, by in streams.items()}
         n = 0
-        while total > budget and heap:
+        while total > budget and heap and self._n > 1:
             _, tie, g = heapq.heappop(heap)
             spans = order[g][0]
             items = self._groups[g]
-            while spans and total > budget:  # oldest first: the whole stream, unless less will do
+            while spans and total > budget and self._n > 1:  # oldest first: the whole stream, unless less will do
                 key, c = spans.pop(0)
                 self._forget(items.pop(key))
                 total -= c
