@@ -160,6 +160,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # span can wait for one slice: a single tool's long text is ~95 ms of MiniLM).
     max_hello_tools: int = 128
     hello_embed: Literal["beside", "between"] = "beside"
+    # A user turn longer than max_stream_chars (longer than any streamed span) is embedded
+    # first on the second context ("beside"; its connection's next frames wait for it), so
+    # the model thread only scores it: a 512-token turn took 80-130 ms of MiniLM that every
+    # other session's span waited behind. "inline": judged on the model thread like any span.
+    long_turn_embed: Literal["beside", "inline"] = "beside"
     catalog_slice_tools: int = 8
     session_catalogs: int = 16  # session catalogs (hello.tools) kept built, most recent first
     # Delivery (issue 13 C): at outbox_messages queued for a client the sidecar stops reading

@@ -186,6 +186,20 @@ class Sidecar:
                 ctx = msgspec.structs.replace(contexts[i] if contexts is not None else Context(), source="user")
                 judged[i].asks.extend(self.recommender.recommend(ask, ctx, top=1, query_vector=vector).results[:1])
 
+    def embed_beside(self, texts: Sequence[str]) -> None:
+        """Embed user turns into the query caches, on the models' second contexts (this
+        thread's), so judging them later costs the model thread their scoring only. One turn
+        of 512 tokens is 80-130 ms of MiniLM that no batch can split, and a span of another
+        session arriving meanwhile waited for all of it (issue 33). The asks a turn splits
+        into go too (`_rank_asks` embeds them when the turn fires). Nothing is kept with the
+        cache off."""
+        if self.cfg.server.split_asks:
+            texts = [*texts, *(a for t in texts if len(asks := split_asks(t)) > 1 for a in asks)]
+        for pipe in filter(None, (self.screen, self.pipeline)):
+            if pipe.queries.size:
+                with pipe.embedder.beside():
+                    pipe.queries.embed(pipe.embedder, texts)
+
     def rank(self, request: Request, top: int = 10, *, vector: np.ndarray | None = None, context: Context | None = None,
              mode: str | None = None) -> Recommendations:  # fmt: skip
         """The recommender's ranking whether or not the gate would fire: a tool search on

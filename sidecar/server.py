@@ -526,7 +526,9 @@ class SidecarServer:
             if isinstance(msg, p.Token):
                 await self._token(conn, msg, now)
             elif isinstance(msg, p.User):
-                self._queue(conn, s.on_user(msg.stream, msg.text, now))
+                evaluations = s.on_user(msg.stream, msg.text, now)
+                await self._embed_long_turns(evaluations)
+                self._queue(conn, evaluations)
                 if s.resolved and self.learner is not None:
                     self.learner.add(s.resolved, conn.id)
                 s.resolved = []
@@ -565,6 +567,21 @@ class SidecarServer:
             evaluations = s.on_token(msg.stream, msg.delta[lo : lo + TOKEN_SLICE_CHARS], time.perf_counter() if lo else now)
             made += len(evaluations)
             self._queue(conn, evaluations)
+
+    async def _embed_long_turns(self, evaluations: list[Evaluation]) -> None:
+        """Embed the user turns among `evaluations` longer than any streamed span beside the
+        model thread first (`long_turn_embed`), on the index thread: the model thread then
+        finds their vectors in the query cache. The connection's next frames wait meanwhile,
+        so a client of long turns is read no faster than the second context embeds them; a
+        turn up to max_stream_chars never waits there (behind another client's long turns).
+        A failure there only leaves the embedding to the model thread."""
+        long = [e.text for e in evaluations if len(e.text) > self.limits.max_stream_chars]
+        if not long or self.limits.long_turn_embed != "beside":
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._indexer, evaluations[0].scope.engine.embed_beside, long)
+        except Exception:
+            log.exception("embedding %d long user turns beside the model thread failed", len(long))
 
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
         if msg.version is not None and msg.version not in p.VERSIONS:

@@ -307,6 +307,44 @@ def test_a_hello_tool_of_long_texts_holds_up_no_other_session_beside_the_model(s
     assert order == (["probe", "ready"] if mode == "beside" else ["ready", "probe"]), order
 
 
+@pytest.mark.parametrize("mode", ["beside", "inline"])
+def test_a_long_user_turn_holds_up_no_other_session_beside_the_model(small, mode):
+    """A user turn of a whole context of tokens (4,096 `(` once cut to max_turn_chars, 512
+    tokens: about 95 ms of MiniLM) is one span no batch can split: judged on the model thread
+    it holds the span of every other session that arrives meanwhile. Embedded first on the
+    second context (`long_turn_embed = "beside"`), the model thread only scores it, and the
+    other session, which sent later, is answered first."""
+    tag = uuid.uuid4().hex[:8]  # nothing in the query cache
+
+    async def body():
+        async with serving(small, long_turn_embed=mode) as srv:
+            async with await SidecarClient.connect(srv.url, session="long", decisions=True) as long, \
+                       await SidecarClient.connect(srv.url, session="probe") as probe:  # fmt: skip
+                order: list[str] = []
+
+                async def the_long_one():
+                    await long.user("l", f"{tag} " + "(" * 60_000)
+                    await until(long, lambda m: isinstance(m, p.DecisionReport))
+                    order.append("long")
+
+                async def the_probe():
+                    await asyncio.sleep(0.02)  # the long turn is read (and, inline, being judged) by then
+                    await probe.user("p", f"{SAVE} {tag}")
+                    await until(probe, lambda m: isinstance(m, p.Inject))
+                    order.append("probe")
+
+                hits = srv.engine.pipeline.queries.hits
+                await asyncio.gather(the_long_one(), the_probe())
+                return order, srv.engine.pipeline.queries.hits - hits
+
+    order, hits = run(body())
+    if mode == "beside":
+        assert order == ["probe", "long"], order
+        assert hits >= 1  # the model thread found the long turn's vector in the cache
+    else:
+        assert order == ["long", "probe"], order
+
+
 def test_a_sessions_globs_are_compiled_by_its_hello_not_on_the_model_thread(small):
     """A list of globs costs 8-34 ms to compile: at the hello, on the index thread, so the
     session's first ranking (on the model thread) finds it compiled."""
