@@ -81,7 +81,8 @@ class Pending:
 
     def put(self, ev: Any) -> None:
         """Queue an evaluation (anything with `.key` and `.received`; `.owner` and
-        `.stream` group it when present)."""
+        `.stream` group it when present; `.queued`, when set, is when its wait began, if not at
+        `.received`)."""
         g = _group(ev)
         items = self._groups.get(g)
         if items is None:
@@ -123,7 +124,7 @@ class Pending:
             if one_round and g in served and len(served) > 1:
                 break
             ev = next(iter(items.values()))
-            fresh = now - ev.received <= self.stale_s
+            fresh = now - (getattr(ev, "queued", None) or ev.received) <= self.stale_s
             c = cost(ev) if cost is not None and fresh else 0.0
             if fresh and out and budget is not None and spent + c > budget:
                 break

@@ -582,6 +582,9 @@ class SidecarServer:
             await asyncio.get_running_loop().run_in_executor(self._indexer, evaluations[0].scope.engine.embed_beside, long)
         except Exception:
             log.exception("embedding %d long user turns beside the model thread failed", len(long))
+        queued = time.perf_counter()  # stale_ms is for waiting on the model: a nomic turn can take 2 s beside
+        for e in evaluations:
+            e.queued = queued
 
     async def _hello(self, conn: Connection, msg: p.Hello) -> None:
         if msg.version is not None and msg.version not in p.VERSIONS:

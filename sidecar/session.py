@@ -91,6 +91,7 @@ class Evaluation:
     key: object  # a newer evaluation with the same key supersedes a pending one
     reason: str = "user"  # why the span was cut: "user" (a whole turn) or a stream.Span reason
     turn_chars: int | None = None  # a user turn's length (it arrives whole); None: LLM output, counted as it streams
+    queued: float | None = None  # perf_counter when its wait for the model began, when not at `received` (stale_ms counts from it)
 
 
 TURN_JOIN = " … "

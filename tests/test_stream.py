@@ -169,6 +169,17 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
+def test_staleness_counts_from_when_the_wait_for_the_model_began():
+    """A long user turn is embedded beside the model thread before it is queued (2 s and more
+    with nomic under load): stale_ms is for waiting on the model, so it counts from `queued`."""
+    q = Pending(max_pending=10, stale_s=2.0)
+    late = Ev(object(), 0.0, "embedded beside first")
+    late.queued = 2.5
+    q.put(late)
+    q.put(Ev(object(), 0.0, "waited"))
+    assert [e.name for e in q.take(3.0)] == ["embedded beside first"] and q.dropped["stale"] == 1
+
+
 def test_a_lone_span_over_the_budget_is_not_shed():
     """Shedding is for the spans behind: a span alone (a long user turn whose estimate passes
     shed_ms, on an idle model) was dropped unanswered. Beside another, the heavier goes."""
