@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 import websockets  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
-from sidecar import models  # noqa: E402
+from sidecar.core import models  # noqa: E402
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
 

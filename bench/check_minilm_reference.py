@@ -36,7 +36,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import bert_gguf, models  # noqa: E402
+from sidecar.core import bert_gguf, models  # noqa: E402
 
 SENTENCES = [
     "how do I reset my password",

@@ -26,8 +26,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import models  # noqa: E402
-from sidecar.embed import Embedder  # noqa: E402
+from sidecar.core import models  # noqa: E402
+from sidecar.core.embed import Embedder  # noqa: E402
 
 
 class Speed(msgspec.Struct):

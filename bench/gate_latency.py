@@ -19,7 +19,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import config, pipeline  # noqa: E402
+from sidecar import config
+from sidecar.core import pipeline  # noqa: E402
 
 
 class Item(msgspec.Struct):

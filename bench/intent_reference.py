@@ -24,8 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sidecar import config  # noqa: E402
-from sidecar.index import embed_cached  # noqa: E402
-from sidecar.pipeline import open_embedder  # noqa: E402
+from sidecar.core.index import embed_cached  # noqa: E402
+from sidecar.core.pipeline import open_embedder  # noqa: E402
 from sidecar.store import open_store  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"

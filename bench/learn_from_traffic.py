@@ -22,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from sidecar import catalog as catalog_mod  # noqa: E402
+from sidecar.core import catalog as catalog_mod  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
 from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.lab.evaluate import read_labeled  # noqa: E402
-from sidecar.pipeline import Request  # noqa: E402
+from sidecar.core.pipeline import Request  # noqa: E402
 from sidecar.store import open_store  # noqa: E402
 from sidecar.traffic import Example, TrafficFit, best_bar  # noqa: E402
 

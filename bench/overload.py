@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from attacks import TOPICS, log, pct, scrape, serve, server_table, stop  # noqa: E402
 
-from sidecar import models  # noqa: E402
+from sidecar.core import models  # noqa: E402
 
 FLOOD_CONNECTIONS = 8
 FLOOD_EVERY_S = 0.005

@@ -33,10 +33,10 @@ import orjson
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import catalog as catalog_mod  # noqa: E402
+from sidecar.core import catalog as catalog_mod  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
 from sidecar.mcp.savings import count_tokens  # noqa: E402
-from sidecar.pipeline import Request  # noqa: E402
+from sidecar.core.pipeline import Request  # noqa: E402
 from sidecar.proxy import shapes  # noqa: E402
 from sidecar.proxy.app import ProxyServer  # noqa: E402
 from sidecar.proxy.offer import Judge  # noqa: E402

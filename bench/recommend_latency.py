@@ -49,12 +49,12 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import catalog as catalog_mod  # noqa: E402
+from sidecar.core import catalog as catalog_mod  # noqa: E402
 from sidecar import config as config_mod  # noqa: E402
-from sidecar import models, pipeline  # noqa: E402
-from sidecar.catalog import Catalog, Tool  # noqa: E402
+from sidecar.core import models, pipeline  # noqa: E402
+from sidecar.core.catalog import Catalog, Tool  # noqa: E402
 from sidecar.config import RecommendConfig  # noqa: E402
-from sidecar.lexical import LexicalIndex  # noqa: E402
+from sidecar.core.lexical import LexicalIndex  # noqa: E402
 from sidecar.metrics import MetricsStore, key_of  # noqa: E402
 from sidecar.recommend import Recommender  # noqa: E402
 from sidecar.store import Store  # noqa: E402

@@ -47,7 +47,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import models  # noqa: E402
+from sidecar.core import models  # noqa: E402
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient, tokens  # noqa: E402
 

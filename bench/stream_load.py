@@ -69,7 +69,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar import models  # noqa: E402
+from sidecar.core import models  # noqa: E402
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient, tokens  # noqa: E402
 from sidecar.transcripts import read_transcripts  # noqa: E402

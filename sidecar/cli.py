@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from . import __version__, models, output, progress
+from . import __version__, output, progress
+from .core import models
 from . import config as config_mod
-from .calibration import CalibrationError
-from .catalog import CatalogError
+from .core.calibration import CalibrationError
+from .core.catalog import CatalogError
 from .config import ConfigError
-from .embed import EmbedError
-from .patterns import PatternError
+from .core.embed import EmbedError
+from .core.patterns import PatternError
 from .store import StoreError
 
 # Errors that are the user's to fix: one line on stderr, exit 2, no traceback.
@@ -61,7 +62,7 @@ def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | Non
 
 def cmd_detect(args: argparse.Namespace) -> int:
     from .engine import Sidecar
-    from .pipeline import Request
+    from .core.pipeline import Request
 
     text = " ".join(args.text) if args.text else sys.stdin.read()
     if not text.strip():
@@ -79,7 +80,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def cmd_recommend(args: argparse.Namespace) -> int:
     from .engine import Sidecar
-    from .pipeline import Request
+    from .core.pipeline import Request
     from .recommend import Context
 
     query = " ".join(args.query) if args.query else sys.stdin.read()
@@ -216,7 +217,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from .mcp import config as mcp_config
     from .mcp import server as mcp_server
 
@@ -281,7 +282,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_cascade(args: argparse.Namespace) -> int:
     from .lab import cascade, evaluate
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from .engine import Sidecar
 
     cfg = _config(args, {("cascade", "screen"): args.screen})
@@ -314,7 +315,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from . import store as store_mod
     from .lab import tune
     from .lab.evaluate import from_transcripts, read_labeled
@@ -376,7 +377,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     from websockets.exceptions import WebSocketException
 
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from . import replay
     from .client import SidecarError
     from .engine import Sidecar
@@ -416,7 +417,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from . import server
     from .store import open_store
 
@@ -442,7 +443,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from . import catalog as catalog_mod
+    from .core import catalog as catalog_mod
     from .proxy import app
     from .store import open_store
 

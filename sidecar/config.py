@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from . import models, protocol
-from .cases import Strategy
+from .core import models
+from . import protocol
+from .core.cases import Strategy
 from .recommend.scoring import IntentRules, Priors, Weights
 
 
@@ -125,7 +126,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # split (0.05 -> 0.03: recall of the called tools 88.1% -> 87.9%, precision 71.0% -> 74.6%).
     inject_margin: float = 0.03
     max_inject_tools: int = 3
-    split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/asks.py)
+    split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/core/asks.py)
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
     # many the sidecar stops reading its frames until the model thread takes them. A
@@ -389,7 +390,7 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
 
         tree["store"] = str(default_path(env.get("XDG_DATA_HOME")))
     if isinstance(model := tree.setdefault("model", {}), dict) and not model.get("dir"):
-        from .models import models_dir
+        from .core.models import models_dir
 
         model["dir"] = str(models_dir(env.get("XDG_CACHE_HOME")))
     try:

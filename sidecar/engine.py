@@ -17,13 +17,13 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from . import models
-from .asks import split as split_asks
-from .catalog import Catalog
+from .core import models
+from .core.asks import split as split_asks
+from .core.catalog import Catalog
 from .config import Config, GateConfig
-from .gate import Decision, Timing
+from .core.gate import Decision, Timing
 from .metrics import MetricsStore, StringCaps
-from .pipeline import Detected, Pipeline, Request, from_config
+from .core.pipeline import Detected, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences

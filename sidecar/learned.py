@@ -6,9 +6,9 @@ Three small fitted pieces; the first two are saved in a calibration file:
   to "name words: description", the best cosine over its use-case phrases (its own `cases`
   when the catalog has them, else derived ones), BM25 over name, description and parameter
   names scaled by the text's best BM25, and the `Classifier`'s log-probability where the
-  catalog has one, the action the text asks for against the tool's (`sidecar/actions.py`:
+  catalog has one, the action the text asks for against the tool's (`sidecar/core/actions.py`:
   a shared action, no shared family of actions), and the share of the things the text names
-  (a file, a time, an address...) that the tool's parameters take (`sidecar/arguments.py`),
+  (a file, a time, an address...) that the tool's parameters take (`sidecar/core/arguments.py`),
   and how well the tool's server as a whole matches the text (`server_view`) — fitted with a
   listwise softmax so the expected tool comes first.
   Few weights, so it carries to catalogs never seen in fitting.

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 import msgspec
 import orjson
 
-from .catalog import SEP, Catalog
+from .core.catalog import SEP, Catalog
 from .store import Store
 
 DAY_S = 86400.0

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from .gate import Decision, Thresholds, Timing, Trigger
+from .core.gate import Decision, Thresholds, Timing, Trigger
 from .recommend.recommender import Factors, Recommendation
 
 

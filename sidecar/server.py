@@ -49,13 +49,13 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from . import __version__
-from . import cases as cases_mod
+from .core import cases as cases_mod
 from . import protocol as p
-from .catalog import Catalog, Tool
+from .core.catalog import Catalog, Tool
 from .config import Config
 from .engine import Sidecar
-from .gate import Decision
-from .index import PRIMARY_CHARS
+from .core.gate import Decision
+from .core.index import PRIMARY_CHARS
 from .mcp.config import McpConfig
 from .mcp.connections import ConnectionManager
 from .mcp.live import LiveCatalog, go_live

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .catalog import Catalog, CatalogError, from_tools
+from .core.catalog import Catalog, CatalogError, from_tools
 from .config import ServerConfig
-from .gate import Decision
-from .pipeline import Request
+from .core.gate import Decision
+from .core.pipeline import Request
 from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo, WorkflowStep
 from .recommend.filters import Context, Permissions
-from .stream import Segmenter, Span
+from .core.stream import Segmenter, Span
 from .traffic import Turn, Turns
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 import orjson
 
-from .catalog import Catalog
+from .core.catalog import Catalog
 
 
 class TranscriptError(ValueError):

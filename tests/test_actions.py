@@ -1,4 +1,4 @@
-"""The action views (sidecar/actions.py): what a text asks for and what a tool does, and the
+"""The action views (sidecar/core/actions.py): what a text asks for and what a tool does, and the
 ranking on the real models with the built-in calibrations, whose fitted weights move a
 request's verb past a shared noun."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sidecar import actions, calibration, models
-from sidecar import catalog as catalog_mod
+from sidecar.core import actions, calibration, models
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import learned, pipeline
-from sidecar.catalog import Tool
+from sidecar import learned
+from sidecar.core import pipeline
+from sidecar.core.catalog import Tool
 from sidecar.store import Store
 from tests.conftest import CATALOGS
 

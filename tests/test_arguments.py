@@ -1,4 +1,4 @@
-"""The argument view (sidecar/arguments.py): the kinds of thing a text names, what a tool's
+"""The argument view (sidecar/core/arguments.py): the kinds of thing a text names, what a tool's
 input schema takes, and the ranking on the real models with the built-in calibrations, whose
 fitted weight moves a request toward the tools that take what it names."""
 
@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from sidecar import arguments, calibration, learned, models, pipeline
-from sidecar.catalog import Tool
+from sidecar.core import arguments, calibration, models, pipeline
+from sidecar import learned
+from sidecar.core.catalog import Tool
 from tests.test_actions import files  # noqa: F401  (the four file servers' pipeline, per model)
 
 

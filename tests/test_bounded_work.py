@@ -11,9 +11,10 @@ import time
 import msgspec
 import pytest
 
-from sidecar import cases, protocol as p
+from sidecar.core import cases
+from sidecar import protocol as p
 from sidecar.recommend import filters
-from sidecar.catalog import Tool
+from sidecar.core.catalog import Tool
 
 
 def _within(seconds: float, fn, *args):

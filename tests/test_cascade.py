@@ -9,14 +9,15 @@ import asyncio
 import msgspec
 import pytest
 
-from sidecar import engine as engine_mod, models
+from sidecar import engine as engine_mod
+from sidecar.core import models
 from sidecar.lab import cascade
 from sidecar import config as config_mod
 from sidecar import protocol as p
-from sidecar.catalog import load as load_catalog
+from sidecar.core.catalog import load as load_catalog
 from sidecar.client import SidecarClient
 from sidecar.engine import CascadeStats, Sidecar
-from sidecar.pipeline import Request
+from sidecar.core.pipeline import Request
 from sidecar.server import SidecarServer
 
 from .conftest import CATALOGS

@@ -2,8 +2,8 @@
 
 import pytest
 
-from sidecar import catalog, cases
-from sidecar.cases import Strategy
+from sidecar.core import catalog, cases
+from sidecar.core.cases import Strategy
 
 from .conftest import CATALOGS
 

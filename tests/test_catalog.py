@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from sidecar import catalog
-from sidecar.catalog import CatalogError
+from sidecar.core import catalog
+from sidecar.core.catalog import CatalogError
 
 from .conftest import CATALOGS
 

@@ -240,10 +240,10 @@ def test_a_key_the_doc_misses_is_caught(monkeypatch: pytest.MonkeyPatch):
 
 def test_the_documented_gate_thresholds_are_the_built_in_calibrations():
     """Refitting a built-in calibration moves its thresholds; the [gate] rows say which."""
-    from sidecar import calibration
+    from sidecar.core import calibration
 
     rows = documented()["gate"]
-    cals = {m: calibration.read(ROOT / "sidecar" / "calibrations" / f"{m}.json").thresholds
+    cals = {m: calibration.read(ROOT / "sidecar" / "core" / "calibrations" / f"{m}.json").thresholds
             for m in ("nomic-embed-text-v1.5", "all-minilm-l6-v2")}  # fmt: skip
     for key in ("high", "fallback", "auto", "confirm"):
         said = re.search(r"nomic ([0-9.]+), MiniLM ([0-9.]+)", rows[key][2])

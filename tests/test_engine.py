@@ -12,12 +12,13 @@ import sys
 import msgspec
 
 from sidecar import config as config_mod
-from sidecar import models, protocol as p, replay
+from sidecar.core import models
+from sidecar import protocol as p, replay
 from sidecar.lab import evaluate
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar
 from sidecar.lab.evaluate import Labeled
-from sidecar.pipeline import Request
+from sidecar.core.pipeline import Request
 from sidecar.server import SidecarServer
 from sidecar.store import Store
 
@@ -90,7 +91,7 @@ def test_a_turn_of_several_asks_injects_a_tool_for_each(tmp_path):
     """Issue 31: "search ..., then delete ..." needs two tools; each ask is gated and ranked on
     its own and the inject holds both, in the order the asks come. A turn of one ask is judged
     as before, and `server.split_asks = false` turns it off."""
-    from sidecar import asks
+    from sidecar.core import asks
 
     assert asks.split("search my notes for the kubernetes setup, then delete the note about groceries") == [
         "search my notes for the kubernetes setup", "delete the note about groceries"]

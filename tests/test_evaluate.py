@@ -8,11 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import gate, learned
+from sidecar.core import gate
+from sidecar import learned
 from sidecar.lab import evaluate, tune
-from sidecar.catalog import load as load_catalog
+from sidecar.core.catalog import load as load_catalog
 from sidecar.lab.evaluate import Labeled
-from sidecar.gate import Thresholds
+from sidecar.core.gate import Thresholds
 from tests.conftest import CATALOGS
 
 
@@ -224,7 +225,7 @@ def test_exemplars_pool_with_their_paths():
 
 
 def test_tune_tries_the_built_in_starts_only_where_a_model_has_them():
-    from sidecar import models
+    from sidecar.core import models
 
     assert [s.name for s in tune._starts(models.SMALL_MODEL, "auto")] == ["none", "exemplars", "head"]
     assert [s.name for s in tune._starts(models.SMALL_MODEL, "none")] == ["none"]

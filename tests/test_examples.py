@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar.examples import MAX_EXAMPLES, examples
 
 from .conftest import CATALOGS

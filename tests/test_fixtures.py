@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sidecar import catalog
+from sidecar.core import catalog
 from sidecar.lab import evaluate
 
 from .conftest import ROOT

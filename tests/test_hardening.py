@@ -24,7 +24,7 @@ import websockets
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.config import ServerConfig
-from sidecar.patterns import GatePatterns, PatternSet, parse
+from sidecar.core.patterns import GatePatterns, PatternSet, parse
 
 from .conftest import ROOT
 from .test_server import (  # noqa: F401  (pipelines, small: fixtures)

@@ -9,11 +9,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import catalog as catalog_mod
-from sidecar import models
-from sidecar.cases import Strategy
-from sidecar.embed import Embedder
-from sidecar.index import ToolIndex
+from sidecar.core import catalog as catalog_mod
+from sidecar.core import models
+from sidecar.core.cases import Strategy
+from sidecar.core.embed import Embedder
+from sidecar.core.index import ToolIndex
 from sidecar.store import Store
 from tests.conftest import CATALOGS
 
@@ -68,7 +68,7 @@ def test_few_queries_score_the_same_on_one_blas_thread_from_many_threads(embedde
     plain product, from several threads at once, and BLAS gets its threads back after."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from sidecar import index as index_mod
+    from sidecar.core import index as index_mod
 
     idx = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
     q = embedder.embed(["show me the git log", "what time is it in Tokyo"]).vectors
@@ -110,8 +110,8 @@ def test_a_bulk_job_runs_on_the_bulk_threads_and_gives_the_same_vectors(embedder
     context goes back to the serving thread count; the vectors do not depend on it."""
     import llama_cpp
 
-    from sidecar.embed import BULK_TEXTS
-    from sidecar.index import embed_cached
+    from sidecar.core.embed import BULK_TEXTS
+    from sidecar.core.index import embed_cached
 
     r = models.resolve(models.SMALL_MODEL, progress=False)
     two = Embedder(r.path, name=r.name, identity="bulk-test", threads=1, bulk=2, max_tokens=r.spec.n_ctx)

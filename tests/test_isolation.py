@@ -26,7 +26,7 @@ import websockets
 
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
-from sidecar.catalog import Tool
+from sidecar.core.catalog import Tool
 from sidecar.metrics import MetricsStore
 from sidecar.server import SHARED_WINDOW_S, slice_starts, tool_chars
 from sidecar.store import Store

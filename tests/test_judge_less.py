@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
-from sidecar.pipeline import QueryCache, Request
-from sidecar.stream import Segmenter
+from sidecar.core.pipeline import QueryCache, Request
+from sidecar.core.stream import Segmenter
 
 from .test_pipeline import _pipeline
 from .test_server import serving

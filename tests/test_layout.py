@@ -99,7 +99,7 @@ def test_the_checks_see_a_lazy_import(tmp_path):
     """The import reader finds an import inside a function and skips TYPE_CHECKING blocks."""
     f = PACKAGE / "engine.py"
     found = {m for m, _, top in imports(f)}
-    assert "sidecar.pipeline" in found and "sidecar.lab" not in found
+    assert "sidecar.core.pipeline" in found and "sidecar.lab" not in found
     probe = tmp_path / "probe.py"
     probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .lab import tune\ndef f():\n    from .lab import evaluate\n")
     assert [(m, top) for m, _, top in imports(probe, "sidecar.probe")] == [("sidecar.lab.evaluate", False)]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar

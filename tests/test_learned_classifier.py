@@ -10,10 +10,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import calibration, learned, models, pipeline
-from sidecar.gate import route
+from sidecar.core import calibration, models, pipeline
+from sidecar import learned
+from sidecar.core.gate import route
 from sidecar import config as config_mod
-from sidecar.pipeline import Request
+from sidecar.core.pipeline import Request
 from sidecar.store import Store
 from tests.conftest import CATALOGS
 

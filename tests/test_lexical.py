@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import regex
 
-from sidecar import catalog as catalog_mod
-from sidecar.catalog import Catalog, Tool
-from sidecar.lexical import STOPWORDS, LexicalIndex, tokens, tool_text, words
+from sidecar.core import catalog as catalog_mod
+from sidecar.core.catalog import Catalog, Tool
+from sidecar.core.lexical import STOPWORDS, LexicalIndex, tokens, tool_text, words
 from tests.conftest import CATALOGS
 
 TRICKY = [
@@ -140,7 +140,7 @@ def test_a_restart_reads_the_index_back_from_the_store(real, tmp_path):
 
 
 def test_the_store_keeps_the_latest_catalogs_only(real, tmp_path):
-    from sidecar.lexical import KEEP
+    from sidecar.core.lexical import KEEP
     from sidecar.store import Store
 
     store = Store(tmp_path / "s.db")

@@ -18,15 +18,15 @@ import sys
 
 import pytest
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import models, pipeline
-from sidecar.catalog import Catalog
+from sidecar.core import models, pipeline
+from sidecar.core.catalog import Catalog
 from sidecar.mcp import config as mcp_config
 from sidecar.mcp.connections import ConnectionManager, ServerUnavailable
 from sidecar.mcp.live import LiveCatalog, build_catalog
 from sidecar.mcp.state import Breaker, State, backoff_delays, diff, schema_hash
-from sidecar.pipeline import Request
+from sidecar.core.pipeline import Request
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until

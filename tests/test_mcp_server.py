@@ -16,7 +16,7 @@ import sys
 import mcp
 import pytest
 
-from sidecar import models
+from sidecar.core import models
 from sidecar.mcp import config as mcp_config
 from sidecar.mcp.connections import ConnectionManager
 from sidecar.mcp.meta import CALL_TOOL_DEF, FIND_TOOL_DEF

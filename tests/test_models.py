@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import models
-from sidecar.embed import Embedder
+from sidecar.core import models
+from sidecar.core.embed import Embedder
 from tests.conftest import ROOT
 
 MINILM, NOMIC = models.SMALL_MODEL, models.DEFAULT_MODEL

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar.engine import Sidecar
 from sidecar.learner import apply_learned, traffic_log
 from sidecar.replay import replay

@@ -18,7 +18,7 @@ import contextlib
 
 import pytest
 
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
 from tests.conftest import CATALOGS, serve_process

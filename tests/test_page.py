@@ -20,7 +20,7 @@ import pytest
 from playwright.async_api import Page, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import examples as examples_mod
 
 from .conftest import CATALOGS, ROOT, serve_process

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sidecar import gate, patterns
-from sidecar.patterns import PatternError, PatternSet, parse
+from sidecar.core import gate, patterns
+from sidecar.core.patterns import PatternError, PatternSet, parse
 
 
 def write_dir(tmp_path, lists="@verbs create read\n", negative="", high=""):

@@ -12,11 +12,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import models, pipeline
-from sidecar.index import ToolIndex
-from sidecar.pipeline import Request
+from sidecar.core import models, pipeline
+from sidecar.core.index import ToolIndex
+from sidecar.core.pipeline import Request
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
 

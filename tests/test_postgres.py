@@ -24,7 +24,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.metrics import Feedback, MetricsStore, RefReused, key_of

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar.mcp import config as mcp_config
 from sidecar.proxy import shapes
 from sidecar.proxy.app import ProxyServer
@@ -55,7 +55,7 @@ async def proxying(tmp_path: pathlib.Path, upstream: str, servers: dict | None =
     live = mcp_config.parse({"mcpServers": servers, "sidecar": FAST}, "test.json") if servers else None
     catalog = None
     if catalogs:
-        from sidecar import catalog as catalog_mod
+        from sidecar.core import catalog as catalog_mod
 
         catalog = catalog_mod.load(catalogs)
     server = ProxyServer(cfg, mcp=live, catalog=catalog)

@@ -15,10 +15,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from sidecar import calibration as calib
+from sidecar.core import calibration as calib
 from sidecar import config as config_mod
-from sidecar import models, pipeline
-from sidecar.embed import Embedder
+from sidecar.core import models, pipeline
+from sidecar.core.embed import Embedder
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT
 from tests.test_models import link_or_copy

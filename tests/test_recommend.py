@@ -13,8 +13,8 @@ import time
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import catalog as catalog_mod
-from sidecar import models, pipeline
+from sidecar.core import catalog as catalog_mod
+from sidecar.core import models, pipeline
 from sidecar.config import RecommendConfig
 from sidecar.metrics import Feedback, MetricsStore
 from sidecar.recommend import Context, Permissions, Recommender

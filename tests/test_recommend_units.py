@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sidecar.catalog import Tool
+from sidecar.core.catalog import Tool
 from sidecar.metrics import Feedback
 from sidecar.recommend import filters as F
 from sidecar.recommend import intent as I

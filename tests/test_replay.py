@@ -13,9 +13,10 @@ import sys
 import msgspec
 import pytest
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import models, pipeline, replay
+from sidecar.core import models, pipeline
+from sidecar import replay
 from sidecar.config import ServerConfig
 from sidecar.server import SidecarServer
 from sidecar.store import Store

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from sidecar import config as config_mod
-from sidecar import models, pipeline, selffit
-from sidecar.calibration import Calibration, builtin
+from sidecar.core import models, pipeline
+from sidecar import selffit
+from sidecar.core.calibration import Calibration, builtin
 from sidecar.store import Store
 
 from .test_learned_classifier import HELD_BACK, INTENTS

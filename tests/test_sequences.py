@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar

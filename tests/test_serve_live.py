@@ -19,12 +19,12 @@ import sys
 import threading
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
 from sidecar.mcp import config as mcp_config
 from sidecar.mcp.state import State
-from sidecar.pipeline import Pipeline
+from sidecar.core.pipeline import Pipeline
 from sidecar.server import SidecarServer
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until

@@ -25,16 +25,16 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
 from sidecar.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
 from sidecar.store import Store
-from sidecar.stream import Segmenter
+from sidecar.core.stream import Segmenter
 
 from .conftest import CATALOGS, ROOT, engine_of, serve_process
 from .test_pipeline import _pipeline

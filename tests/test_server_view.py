@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar import calibration, config as config_mod, learned, models, pipeline
+from sidecar.core import calibration, models, pipeline
+from sidecar import config as config_mod, learned
 from sidecar.store import Store
 from tests.test_actions import FILE_SERVERS, files  # noqa: F401  (the four file servers' pipeline, per model)
 

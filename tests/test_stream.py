@@ -7,11 +7,11 @@ import random
 import msgspec
 import pytest
 
-from sidecar import catalog as catalog_mod
-from sidecar import stream
+from sidecar.core import catalog as catalog_mod
+from sidecar.core import stream
 from sidecar.config import ServerConfig
 from sidecar.engine import Judgement
-from sidecar.gate import Candidate, Decision, Timing, Trigger
+from sidecar.core.gate import Candidate, Decision, Timing, Trigger
 from sidecar.pending import Pending
 from sidecar.protocol import Hello, ProtocolError
 from sidecar.recommend.filters import Context
@@ -24,7 +24,7 @@ from sidecar.session import (
     inject_for,
     session_catalog,
 )
-from sidecar.stream import Segmenter
+from sidecar.core.stream import Segmenter
 
 from .conftest import CATALOGS
 

@@ -16,15 +16,15 @@ import msgspec
 import numpy as np
 
 from sidecar import config as config_mod
-from sidecar import models
+from sidecar.core import models
 from sidecar import protocol as p
-from sidecar.catalog import load as load_catalog
+from sidecar.core.catalog import load as load_catalog
 from sidecar.client import SidecarClient
 from sidecar.config import LearnConfig
 from sidecar.engine import Sidecar
 from sidecar.learner import Learner
 from sidecar.lab.evaluate import read_labeled
-from sidecar.pipeline import Request
+from sidecar.core.pipeline import Request
 from sidecar.server import SidecarServer
 from sidecar.store import open_store
 from sidecar.traffic import Example, TrafficFit, TrafficLog, Turns

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from sidecar import catalog as catalog_mod
+from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import models, replay
+from sidecar.core import models
+from sidecar import replay
 from sidecar.engine import Sidecar
 from sidecar.transcripts import TranscriptError, read_transcripts
 from tests.conftest import CATALOGS, ROOT, serve_process

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from sidecar import calibration, learned, models
+from sidecar.core import calibration, models
+from sidecar import learned
 from tests.conftest import CATALOGS, ROOT
 
 NOTES = str(CATALOGS / "notes.json")
@@ -267,7 +268,7 @@ def test_tune_on_the_fewest_texts_it_accepts_keeps_its_probabilities_finite(tmp_
     """8 requests and 8 texts needing none, hundreds of embedding dimensions: the gate head's
     gradient descent must not overshoot (it did at a fixed step: 15 of 16 out-of-fold
     probabilities came out exactly 0 or 1, and thresholds of 1.0 fired 75% of the negatives)."""
-    from sidecar import catalog as catalog_mod
+    from sidecar.core import catalog as catalog_mod
     from sidecar import config
     from sidecar.lab import tune
     from sidecar.lab.evaluate import Labeled

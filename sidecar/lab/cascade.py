@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from ..catalog import Catalog
+from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import settle
 from .evaluate import GateReport, Labeled, gate_report, detected
-from ..gate import PathKind
+from ..core.gate import PathKind
 
 if TYPE_CHECKING:
     from ..engine import Sidecar

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import numpy as np
 
-from .. import jsonl, ranking
-from ..catalog import Catalog
-from ..gate import Decision
-from ..ranking import percentiles
+from .. import jsonl
+from ..core import ranking
+from ..core.catalog import Catalog
+from ..core.gate import Decision
+from ..core.ranking import percentiles
 from ..traffic import transcript_turns
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ def ranking_report(items: Sequence[Labeled], rankings: Sequence[Sequence[str]]) 
 def detected(pipe, items: Sequence[Labeled], batch: int = 16, on_batch: Callable[[int], None] | None = None) -> tuple[list[Decision], list]:
     """Decisions and each item's query vector (None where a negative pattern blocked it
     unembedded), so ranking the same items need not embed them again."""
-    from ..pipeline import Request
+    from ..core.pipeline import Request
 
     out: list[Decision] = []
     vectors: list = []
@@ -290,7 +291,7 @@ class GateBaseline(msgspec.Struct):
 def description_vectors(pipe) -> np.ndarray:
     """(tools, dim): each tool's description embedded as a document with the same model, and
     nothing else (no cases, no name words): what plain cosine compares a text with."""
-    from ..index import embed_cached
+    from ..core.index import embed_cached
 
     descriptions = [(t.description or "").strip() or t.name for t in pipe.catalog]
     if not descriptions:
@@ -354,8 +355,8 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and
     parameter names; each item against the tools it is judged against."""
-    from ..index import embed_cached
-    from ..lexical import LexicalIndex
+    from ..core.index import embed_cached
+    from ..core.lexical import LexicalIndex
 
     names = np.asarray([t.name for t in pipe.catalog])
     column = {n: j for j, n in enumerate(names)}
@@ -404,7 +405,7 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
     (history-neutral unless the engine has a metrics store) over every positive, fired or not,
     and the fitted ranker's alone beside it. An item that offers tools is judged by the same
     engine over just those."""
-    from ..pipeline import Request
+    from ..core.pipeline import Request
 
     tick = bar.update if bar is not None else None
     decisions: list[Decision | None] = [None] * len(items)

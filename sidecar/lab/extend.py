@@ -1,6 +1,6 @@
 """Fitting the ranker's views added after a calibration was fitted, its own weights held.
 
-A new view (the action views, `sidecar/actions.py`; the argument view, `sidecar/arguments.py`) gets weight 0 from a calibration fitted
+A new view (the action views, `sidecar/core/actions.py`; the argument view, `sidecar/core/arguments.py`) gets weight 0 from a calibration fitted
 before it. Refitting the whole calibration moves everything at once (the adapter, the gate
 head, the thresholds: every table that rests on the built-in calibration must be measured
 again; the fit itself is about 3 minutes a model on two cores with the corpus' vectors in the
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from .. import catalog as catalog_mod
+from ..core import catalog as catalog_mod
 from .. import config as config_mod
 from ..config import Config
 from ..learned import RANK_FEATURES, RankerFit
-from ..pipeline import Request, from_config
+from ..core.pipeline import Request, from_config
 from .evaluate import Labeled, read_labeled
 from .tune import FOLDS, _folds, query_vectors
 
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     fitted = fit_on(read_labeled(args.labeled, catalog), cfg, catalog)
     print(msgspec.json.encode(fitted).decode())
     if args.write:
-        write_weights(ROOT / "sidecar/calibrations" / f"{args.model}.json", fitted.weights)
+        write_weights(ROOT / "sidecar/core/calibrations" / f"{args.model}.json", fitted.weights)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from ..catalog import Catalog
+from ..core.catalog import Catalog
 from ..config import Config
 from ..learned import Ranker
-from ..pipeline import Pipeline, Request, from_config
+from ..core.pipeline import Pipeline, Request, from_config
 from ..store import Store
 from .evaluate import Labeled
 from .tune import GateScores, Objective, fit_gate

@@ -15,17 +15,17 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from ..calibration import Calibration, builtin
-from ..catalog import SEP, Catalog
+from ..core.calibration import Calibration, builtin
+from ..core.catalog import SEP, Catalog
 from ..config import Config
 from ..engine import Sidecar
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, score, simple_gate, simple_gate_features
-from ..gate import PathKind, Thresholds, fires, route
-from ..index import embed_cached, wants_classifier
+from ..core.gate import PathKind, Thresholds, fires, route
+from ..core.index import embed_cached, wants_classifier
 from ..learned import (ADAPTER_HELD_VIEWS, FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
                        held_views, match, rank_features)
-from ..lexical import LexicalIndex
-from ..pipeline import Pipeline, Request, Views, from_config
+from ..core.lexical import LexicalIndex
+from ..core.pipeline import Pipeline, Request, Views, from_config
 from ..store import Store
 
 # Below these counts a fitted threshold is noise; the caller reports rather than fits.

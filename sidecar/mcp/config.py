@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..catalog import SEP
+from ..core.catalog import SEP
 from ..jsonl import read_json
 
 TRANSPORTS = ("stdio", "http", "sse")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..catalog import SEP, Catalog, CatalogError, Tool, parse_tools
-from ..index import IndexStats
+from ..core.catalog import SEP, Catalog, CatalogError, Tool, parse_tools
+from ..core.index import IndexStats
 from .connections import ConnectionManager, ServerUnavailable
 from .state import State, ToolDiff
 

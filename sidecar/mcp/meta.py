@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..catalog import SEP
+from ..core.catalog import SEP
 
 FIND_TOOL = "find_tool"
 CALL_TOOL = "call_tool"

@@ -30,7 +30,7 @@ import mcp_types as types
 from mcp.server.lowlevel import Server
 
 from .. import __version__
-from ..catalog import Catalog
+from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar, open_history
 from ..metrics import key_of

@@ -30,7 +30,7 @@ import httpx2
 import orjson
 
 from .. import __version__
-from ..catalog import Catalog
+from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar
 from ..learner import Learner

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import regex
 
-from ..catalog import Tool
+from ..core.catalog import Tool
 from ..protocol import needs_regex
 from .intent import ToolProfile
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 import msgspec
 import regex
 
-from ..catalog import Tool
-from ..lexical import STOPWORDS
-from ..lexical import words as lexical_words
+from ..core.catalog import Tool
+from ..core.lexical import STOPWORDS
+from ..core.lexical import words as lexical_words
 
 _WORD = regex.compile(r"[\p{L}\p{N}]+")
 

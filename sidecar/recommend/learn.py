@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 import numpy as np
 
-from .. import ranking
+from ..core import ranking
 from .scoring import FACTORS, Weights
 
 KS = (1, 3, 5, 10)

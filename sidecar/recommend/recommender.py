@@ -2,7 +2,7 @@
 tool that just failed.
 
 Built over a loaded `Pipeline`: its embedder embeds the query, its semantic index scores the
-tools (nothing is embedded or indexed again), and `sidecar.lexical` supplies BM25. The
+tools (nothing is embedded or indexed again), and `sidecar.core.lexical` supplies BM25. The
 history comes from a `MetricsStore`. Scoring, intent and filters are pure; this module
 gathers the facts (vectors, metrics, clock) and hands them over.
 
@@ -23,9 +23,9 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from ..catalog import Catalog, Tool
+from ..core.catalog import Catalog, Tool
 from ..config import RecommendConfig
-from ..lexical import LexicalIndex
+from ..core.lexical import LexicalIndex
 from ..metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
 from ..store import StoreError
@@ -352,7 +352,7 @@ class Recommender:
 
     def _semantic(self, state: _State, query: str, source: str, vector: np.ndarray) -> np.ndarray:
         """Every catalog tool's relevance as the pipeline ranks it, in catalog order."""
-        from ..pipeline import Request
+        from ..core.pipeline import Request
 
         views = self.pipeline.views([Request(query, source)], vector[None, :])[0]
         index = views.index

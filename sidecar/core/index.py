@@ -28,14 +28,14 @@ import time
 import msgspec
 import numpy as np
 
-from . import __version__
+from .. import __version__
 from . import cases as cases_mod
-from . import progress as progress_mod
+from .. import progress as progress_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
-from .learned import Classifier, ClassifierFit, Examples
-from .store import Store, StoreBusy, text_key
+from ..learned import Classifier, ClassifierFit, Examples
+from ..store import Store, StoreBusy, text_key
 
 
 class IndexStats(msgspec.Struct):

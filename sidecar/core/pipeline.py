@@ -23,20 +23,20 @@ from . import calibration as calib
 from . import catalog as catalog_mod
 from . import models
 from . import patterns as patterns_mod
-from . import progress as progress_mod
+from .. import progress as progress_mod
 from .arguments import SymbolicIndex
 from .cases import Strategy
 from .catalog import Catalog
-from .config import Config
+from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Route, Thresholds, Timing, decide, route
 from .index import ToolIndex
-from .learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
+from ..learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
-from .selffit import OwnFit, own_fit
-from .store import Store, open_store
-from .traffic import Learned
+from ..selffit import OwnFit, own_fit
+from ..store import Store, open_store
+from ..traffic import Learned
 
 SOURCES = ("user", "llm")
 

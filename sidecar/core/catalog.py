@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from .jsonl import read_json
+from ..jsonl import read_json
 
 SEP = "__"  # server__tool, as MCP gateways name merged tools
 

