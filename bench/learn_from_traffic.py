@@ -28,7 +28,7 @@ from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.lab.evaluate import read_labeled  # noqa: E402
 from sidecar.core.pipeline import Request  # noqa: E402
 from sidecar.store import open_store  # noqa: E402
-from sidecar.traffic import Example, TrafficFit, best_bar  # noqa: E402
+from sidecar.learn.traffic import Example, TrafficFit, best_bar  # noqa: E402
 
 
 def main() -> int:

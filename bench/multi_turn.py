@@ -36,7 +36,7 @@ from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.learner import apply_learned, traffic_log  # noqa: E402
 from sidecar.replay import replay  # noqa: E402
 from sidecar.store import open_store  # noqa: E402
-from sidecar.traffic import log_examples  # noqa: E402
+from sidecar.learn.traffic import log_examples  # noqa: E402
 from sidecar.transcripts import read_transcripts  # noqa: E402
 
 WHEEL = "bfcl-eval==2026.3.23"

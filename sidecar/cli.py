@@ -129,7 +129,7 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
     """`learn --traffic`: the examples the server recorded (and those read from chat logs with
     `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
     from .learner import learn, traffic_log
-    from .traffic import log_examples
+    from .learn.traffic import log_examples
     from .transcripts import read_transcripts
 
     tlog = traffic_log(engine)

@@ -65,7 +65,7 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True):
     # embedded again. Memory: about dim x 4 bytes + the text per entry (docs/configuration.md).
     query_cache: int = 2048
     # A catalog whose tools carry their own cases fits its own gate and ranker weights from them
-    # when indexed (sidecar/selffit.py), where the built-in calibration is in force.
+    # when indexed (sidecar/learn/selffit.py), where the built-in calibration is in force.
     self_fit: bool = True
 
     def __post_init__(self) -> None:
@@ -256,7 +256,7 @@ class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class LearnConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """`sidecar serve` learning from its traffic (sidecar/traffic.py): each user turn on the
+    """`sidecar serve` learning from its traffic (sidecar/learn/traffic.py): each user turn on the
     server's catalog with the tools called after it (`tool_result`), or none, is an example;
     the catalog refits its lesson as they arrive and uses it only when it judges them better
     out of fold than the calibration alone."""

@@ -1,4 +1,4 @@
-"""The server's side of learning from traffic (sidecar/traffic.py holds the rules): resolved
+"""The server's side of learning from traffic (sidecar/learn/traffic.py holds the rules): resolved
 turns go to the store on a store thread, and every `refit_every` new examples the catalog's
 lesson is refitted on a worker thread (numpy only: the model thread keeps judging) and swapped
 into the engine's pipeline when it passes (`TrafficFit`), or every tenth of the log when that
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .config import LearnConfig
 from .recommend.sequences import SequenceFit
-from .traffic import Learned, Outcome, TrafficFit, TrafficLog, Turn
+from .learn.traffic import Learned, Outcome, TrafficFit, TrafficLog, Turn
 
 if TYPE_CHECKING:
     from .engine import Sidecar

@@ -61,7 +61,7 @@ from .mcp.connections import ConnectionManager
 from .mcp.live import LiveCatalog, go_live
 from .pending import Pending
 from .learner import Learner
-from .traffic import Turns
+from .learn.traffic import Turns
 from .records import Records
 from .recommend.filters import compile_permissions
 from .session import (

@@ -25,7 +25,7 @@ from .core.pipeline import Request
 from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo, WorkflowStep
 from .recommend.filters import Context, Permissions
 from .core.stream import Segmenter, Span
-from .traffic import Turn, Turns
+from .learn.traffic import Turn, Turns
 
 if TYPE_CHECKING:
     from .engine import Judgement, Sidecar

@@ -10,7 +10,7 @@ import pytest
 from sidecar.core import actions, calibration, models
 from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
-from sidecar import learned
+from sidecar.learn import learned
 from sidecar.core import pipeline
 from sidecar.core.catalog import Tool
 from sidecar.store import Store

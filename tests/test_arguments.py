@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sidecar.core import arguments, calibration, models, pipeline
-from sidecar import learned
+from sidecar.learn import learned
 from sidecar.core.catalog import Tool
 from tests.test_actions import files  # noqa: F401  (the four file servers' pipeline, per model)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sidecar.core import gate
-from sidecar import learned
+from sidecar.learn import learned
 from sidecar.lab import evaluate, tune
 from sidecar.core.catalog import load as load_catalog
 from sidecar.lab.evaluate import Labeled

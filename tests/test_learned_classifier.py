@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sidecar.core import calibration, models, pipeline
-from sidecar import learned
+from sidecar.learn import learned
 from sidecar.core.gate import route
 from sidecar import config as config_mod
 from sidecar.core.pipeline import Request

@@ -19,7 +19,7 @@ from sidecar.engine import Sidecar
 from sidecar.learner import apply_learned, traffic_log
 from sidecar.replay import replay
 from sidecar.store import open_store
-from sidecar.traffic import Example, log_examples, turns_of
+from sidecar.learn.traffic import Example, log_examples, turns_of
 from sidecar.transcripts import read_transcripts
 
 from .conftest import ROOT

@@ -21,7 +21,7 @@ from sidecar.recommend import Context, Permissions, Recommender
 from sidecar.recommend import filters as F
 from sidecar.recommend import learn
 from sidecar.store import Store
-from sidecar.traffic import Example, Learned
+from sidecar.learn.traffic import Example, Learned
 from tests.conftest import CATALOGS, ROOT
 
 FS = CATALOGS / "filesystem.json"

@@ -11,7 +11,7 @@ import pytest
 
 from sidecar import config as config_mod
 from sidecar.core import models, pipeline
-from sidecar import selffit
+from sidecar.learn import selffit
 from sidecar.core.calibration import Calibration, builtin
 from sidecar.store import Store
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sidecar.core import calibration, models, pipeline
-from sidecar import learned
+from sidecar.learn import learned
 from tests.test_actions import FILE_SERVERS, files  # noqa: F401  (the four file servers' pipeline, per model)
 
 COLUMN = learned.RANK_FEATURES.index("sure_lexical")

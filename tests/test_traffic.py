@@ -27,7 +27,7 @@ from sidecar.lab.evaluate import read_labeled
 from sidecar.core.pipeline import Request
 from sidecar.server import SidecarServer
 from sidecar.store import open_store
-from sidecar.traffic import Example, TrafficFit, TrafficLog, Turns
+from sidecar.learn.traffic import Example, TrafficFit, TrafficLog, Turns
 
 from .conftest import CATALOGS, ROOT
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sidecar.core import calibration, models
-from sidecar import learned
+from sidecar.learn import learned
 from tests.conftest import CATALOGS, ROOT
 
 NOTES = str(CATALOGS / "notes.json")

@@ -32,7 +32,7 @@ import regex
 from .actions import ActionIndex
 from .cases import name_words
 from .catalog import Tool
-from ..learned import server_ids
+from ..learn.learned import server_ids
 
 KINDS = ("file", "folder", "slug", "url", "email", "commit")
 

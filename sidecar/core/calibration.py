@@ -15,7 +15,7 @@ import msgspec
 from . import models
 from ..config import GateConfig
 from .gate import Thresholds
-from ..learned import Examples, GateHead, Ranker
+from ..learn.learned import Examples, GateHead, Ranker
 
 
 class CalibrationError(ValueError):

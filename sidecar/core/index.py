@@ -34,7 +34,7 @@ from .. import progress as progress_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
-from ..learned import Classifier, ClassifierFit, Examples
+from ..learn.learned import Classifier, ClassifierFit, Examples
 from ..store import Store, StoreBusy, text_key
 
 

@@ -31,12 +31,12 @@ from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Route, Thresholds, Timing, decide, route
 from .index import ToolIndex
-from ..learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
+from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
-from ..selffit import OwnFit, own_fit
+from ..learn.selffit import OwnFit, own_fit
 from ..store import Store, open_store
-from ..traffic import Learned
+from ..learn.traffic import Learned
 
 SOURCES = ("user", "llm")
 
@@ -128,9 +128,9 @@ class Pipeline:
         self.ranker = ranker or Ranker()
         self.head = head  # the gate as a probability; None: thresholds compare raw scores
         self.examples = examples  # labelled requests a classifier over own cases learns from too
-        self.self_fit = self_fit  # a catalog with own cases fits its own ranker and gate (sidecar/selffit.py)
+        self.self_fit = self_fit  # a catalog with own cases fits its own ranker and gate (sidecar/learn/selffit.py)
         self.own: dict[str, OwnFit] = {}  # by index strategy
-        self.learned: Learned | None = None  # what user turns taught (sidecar/traffic.py): applied to user texts
+        self.learned: Learned | None = None  # what user turns taught (sidecar/learn/traffic.py): applied to user texts
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog, progress=progress)
 

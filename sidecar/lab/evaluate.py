@@ -19,7 +19,7 @@ from ..core import ranking
 from ..core.catalog import Catalog
 from ..core.gate import Decision
 from ..core.ranking import percentiles
-from ..traffic import transcript_turns
+from ..learn.traffic import transcript_turns
 
 if TYPE_CHECKING:
     from ..engine import Sidecar
@@ -315,7 +315,7 @@ def simple_gate(x: np.ndarray, y: np.ndarray, folds: np.ndarray) -> Callable[[np
     """The gate a careful user would try first: logistic regression on `simple_gate_features`
     (standardised, L2 1 on the three scores, on the embedding the value of SIMPLE_GATE_L2 with
     the best out-of-fold AUROC over `folds`). Returns its probability function."""
-    from ..learned import fit_logistic
+    from ..learn.learned import fit_logistic
 
     def fit(rows: np.ndarray, l2: float) -> Callable[[np.ndarray], np.ndarray]:
         mu, sd = x[rows].mean(axis=0), x[rows].std(axis=0) + 1e-6

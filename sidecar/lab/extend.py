@@ -25,7 +25,7 @@ import numpy as np
 from ..core import catalog as catalog_mod
 from .. import config as config_mod
 from ..config import Config
-from ..learned import RANK_FEATURES, RankerFit
+from ..learn.learned import RANK_FEATURES, RankerFit
 from ..core.pipeline import Request, from_config
 from .evaluate import Labeled, read_labeled
 from .tune import FOLDS, _folds, query_vectors

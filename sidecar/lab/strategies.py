@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core.catalog import Catalog
 from ..config import Config
-from ..learned import Ranker
+from ..learn.learned import Ranker
 from ..core.pipeline import Pipeline, Request, from_config
 from ..store import Store
 from .evaluate import Labeled

@@ -22,8 +22,7 @@ from ..engine import Sidecar
 from .evaluate import Labeled, auroc, baselines, description_vectors, gate_report, ranking_report, score, simple_gate, simple_gate_features
 from ..core.gate import PathKind, Thresholds, fires, route
 from ..core.index import embed_cached, wants_classifier
-from ..learned import (ADAPTER_HELD_VIEWS, FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit,
-                       held_views, match, rank_features)
+from ..learn.learned import ADAPTER_HELD_VIEWS, FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit, held_views, match, rank_features
 from ..core.lexical import LexicalIndex
 from ..core.pipeline import Pipeline, Request, Views, from_config
 from ..store import Store

@@ -37,7 +37,7 @@ from ..learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
 from ..telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
-from ..traffic import Turn
+from ..learn.traffic import Turn
 from ..web import _hostname, _loopback
 from . import shapes
 from .offer import Judge, Narration, Offer

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from .core.gate import Thresholds
-from .core.arguments import SymbolicIndex
+from ..core.gate import Thresholds
+from ..core.arguments import SymbolicIndex
 from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_views, logit, rank_features
 
 if TYPE_CHECKING:
-    from .core.index import ToolIndex
-    from .core.lexical import LexicalIndex
+    from ..core.index import ToolIndex
+    from ..core.lexical import LexicalIndex
 
 AUTO_PRECISION = 0.97  # of simulated fires in scope, from which a fire is injected without asking
 
