@@ -21,6 +21,16 @@ PathKind = Literal["negative", "high", "fallback"]  # blocked by a pattern, lowe
 PATH_KINDS: tuple[PathKind, ...] = ("negative", "high", "fallback")
 
 
+class Request(msgspec.Struct, frozen=True):
+    """What the gate judges: a text and who wrote it ("user", or "llm" for the model's reply),
+    since the two are held to their own thresholds and views. Defined here, beside the
+    decision, so that learning (`sidecar.learn.traffic`) can build requests without importing
+    the pipeline that applies what it learns."""
+
+    text: str
+    source: str = "user"
+
+
 def path_kind(path: str) -> PathKind:
     """The kind of a gate path as the wire spells it: "negative:ID", "high:ID" or "fallback"."""
     kind = path.partition(":")[0]

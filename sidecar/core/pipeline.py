@@ -29,7 +29,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from ..config import Config
 from .embed import Embedded, Embedder
-from .gate import Candidate, Decision, Route, Thresholds, Timing, decide, route
+from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
 from .index import ToolIndex
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
@@ -39,11 +39,6 @@ from ..store import Store, open_store
 from ..learn.traffic import Learned
 
 SOURCES = ("user", "llm")
-
-
-class Request(msgspec.Struct, frozen=True):
-    text: str
-    source: str = "user"
 
 
 class Detected(msgspec.Struct):

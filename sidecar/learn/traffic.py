@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from ..core.gate import Thresholds
+from ..core.gate import Request, Thresholds
 from .learned import RankerFit, fit_logistic, held_views, logit
 
 if TYPE_CHECKING:
@@ -405,7 +405,6 @@ class TrafficFit(msgspec.Struct, frozen=True):
                  names: Sequence[str]) -> np.ndarray | None:  # fmt: skip
         """The lesson's ranker: view weights (the calibration's views and the called turns')
         fitted on the called turns, each without itself among the turns; None with too few."""
-        from ..core.pipeline import Request
 
         column = {n: j for j, n in enumerate(names)}
         rows = [i for i, t in enumerate(truth) if _accepted(t) & column.keys()][-self.max_rank_rows :]
@@ -421,7 +420,6 @@ class TrafficFit(msgspec.Struct, frozen=True):
 
 def judge_vectors(pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray, learned: Learned | None) -> tuple[np.ndarray, list[str | None]]:
     """User turns' probabilities and best tools, judged by `pipeline` with `learned` applied."""
-    from ..core.pipeline import Request
 
     return with_lesson(pipeline, learned).probabilities([Request(t, "user") for t in texts], vectors)
 
