@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from sidecar import config as config_mod  # noqa: E402
 from sidecar.engine import Sidecar  # noqa: E402
-from sidecar.learner import apply_learned, traffic_log  # noqa: E402
+from sidecar.serve.learner import apply_learned, traffic_log  # noqa: E402
 from sidecar.replay import replay  # noqa: E402
 from sidecar.store import open_store  # noqa: E402
 from sidecar.learn.traffic import log_examples  # noqa: E402

@@ -128,7 +128,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
 def _learn_traffic(args: argparse.Namespace, engine) -> int:
     """`learn --traffic`: the examples the server recorded (and those read from chat logs with
     `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
-    from .learner import learn, traffic_log
+    from .serve.learner import learn, traffic_log
     from .learn.traffic import log_examples
     from .transcripts import read_transcripts
 
@@ -381,7 +381,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from . import replay
     from .client import SidecarError
     from .engine import Sidecar
-    from .learner import apply_learned
+    from .serve.learner import apply_learned
 
     cfg = _config(args)
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
@@ -418,7 +418,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from .core import catalog as catalog_mod
-    from . import server
+    from .serve import server
     from .store import open_store
 
     cfg = _config(args, {("server", "host"): args.host, ("server", "port"): args.port})

@@ -22,7 +22,7 @@ from .client import SidecarClient, SidecarError
 from .config import ServerConfig
 from .core.ranking import percentiles
 from .protocol import DecisionReport, Ended, Error, Hello, Inject
-from .session import Scope, Session, context_of, inject_for, judge
+from .serve.session import Scope, Session, context_of, inject_for, judge
 from .transcripts import (  # noqa: F401  (replay's API)
     Conversation,
     Message,

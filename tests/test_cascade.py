@@ -18,7 +18,7 @@ from sidecar.core.catalog import load as load_catalog
 from sidecar.client import SidecarClient
 from sidecar.engine import CascadeStats, Sidecar
 from sidecar.core.pipeline import Request
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 
 from .conftest import CATALOGS
 

@@ -19,7 +19,7 @@ from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar
 from sidecar.lab.evaluate import Labeled
 from sidecar.core.pipeline import Request
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 from sidecar.store import Store
 
 from .conftest import CATALOGS, ROOT

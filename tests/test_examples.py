@@ -1,9 +1,9 @@
-"""The page's examples (sidecar/examples.py) on the real fixture catalogs: no model needed."""
+"""The page's examples (sidecar/serve/examples.py) on the real fixture catalogs: no model needed."""
 
 from __future__ import annotations
 
 from sidecar.core import catalog as catalog_mod
-from sidecar.examples import MAX_EXAMPLES, examples
+from sidecar.serve.examples import MAX_EXAMPLES, examples
 
 from .conftest import CATALOGS
 

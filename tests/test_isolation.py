@@ -28,7 +28,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.core.catalog import Tool
 from sidecar.metrics import MetricsStore
-from sidecar.server import SHARED_WINDOW_S, slice_starts, tool_chars
+from sidecar.serve.server import SHARED_WINDOW_S, slice_starts, tool_chars
 from sidecar.store import Store
 
 from .test_hardening import metrics_of, tracebacks

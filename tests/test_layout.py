@@ -76,7 +76,7 @@ def test_the_runtime_never_imports_the_lab():
 
 def test_serving_loads_no_lab_module():
     """What `serve`, `mcp`, `replay` and the client load, in a fresh interpreter."""
-    code = ("import sys, sidecar.cli, sidecar.server, sidecar.mcp.server, sidecar.replay, sidecar.client, sidecar.engine;"
+    code = ("import sys, sidecar.cli, sidecar.serve.server, sidecar.mcp.server, sidecar.replay, sidecar.client, sidecar.engine;"
             "print(sorted(m for m in sys.modules if m.startswith('sidecar.lab')))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
     assert out == "[]"

@@ -15,7 +15,7 @@ from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 
 from .conftest import CATALOGS, ROOT
 

@@ -16,7 +16,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
 from sidecar.config import ServerConfig
 from sidecar.store import PAGE_CACHE_KIB, SQLiteStore
-from sidecar.telemetry import MMAP_THRESHOLD, native_memory
+from sidecar.serve.telemetry import MMAP_THRESHOLD, native_memory
 
 from .conftest import ROOT
 from .test_server import (  # noqa: F401  (pipelines, small: fixtures)
@@ -109,7 +109,7 @@ def test_big_buffers_stay_mapped_after_a_bigger_one_was_freed():
         return
     probe = (
         "import numpy as np\n"
-        "from sidecar.telemetry import MMAP_THRESHOLD, native_memory, pin_mmap_threshold\n"
+        "from sidecar.serve.telemetry import MMAP_THRESHOLD, native_memory, pin_mmap_threshold\n"
         "assert pin_mmap_threshold()\n"
         "big = np.ones(8 * MMAP_THRESHOLD, np.uint8); del big\n"
         "before = native_memory().mapped\n"
@@ -130,7 +130,7 @@ def test_a_frames_buffers_are_reused_not_mapped_anew():
     probe = (
         "import numpy as np\n"
         "from sidecar.config import ServerConfig\n"
-        "from sidecar.telemetry import native_memory, pin_mmap_threshold\n"
+        "from sidecar.serve.telemetry import native_memory, pin_mmap_threshold\n"
         "assert pin_mmap_threshold()\n"
         "size = ServerConfig().max_frame_bytes\n"
         "first = np.ones(size, np.uint8); del first\n"

@@ -16,7 +16,7 @@ import pytest
 from sidecar import config as config_mod
 from sidecar.core import models
 from sidecar.engine import Sidecar
-from sidecar.learner import apply_learned, traffic_log
+from sidecar.serve.learner import apply_learned, traffic_log
 from sidecar.replay import replay
 from sidecar.store import open_store
 from sidecar.learn.traffic import Example, log_examples, turns_of

@@ -36,7 +36,7 @@ def test_a_wheel_installed_into_a_fresh_venv_runs_detect_with_its_own_patterns(t
     [wheel] = wheels.glob("intent_sidecar-*.whl")  # the wheel name normalises "-" to "_"
     names = set(zipfile.ZipFile(wheel).namelist())
     for data in ("sidecar/builtin_patterns/negative.txt", "sidecar/builtin_patterns/high.txt", "sidecar/builtin_patterns/lists.txt",
-                 "sidecar/core/calibrations/nomic-embed-text-v1.5.json", "sidecar/page/index.html"):  # fmt: skip
+                 "sidecar/core/calibrations/nomic-embed-text-v1.5.json", "sidecar/serve/page/index.html"):  # fmt: skip
         assert data in names, f"{data} missing from the wheel"
 
     venv = tmp_path / "venv"

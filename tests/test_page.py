@@ -1,4 +1,4 @@
-"""The page `GET /` serves (sidecar/page/), in a real headless Chromium: Debian's
+"""The page `GET /` serves (sidecar/serve/page/), in a real headless Chromium: Debian's
 /usr/bin/chromium driven by Playwright for Python through `executable_path` (Playwright's own
 browser builds are never downloaded). Each test starts a real `sidecar serve` with a token
 and an Origin allowlist, as a deployment reached from a browser would have.
@@ -21,7 +21,7 @@ from playwright.async_api import Page, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 
 from sidecar.core import catalog as catalog_mod
-from sidecar import examples as examples_mod
+from sidecar.serve import examples as examples_mod
 
 from .conftest import CATALOGS, ROOT, serve_process
 from .test_server import NOTES, SMALL, WAIT_S, http_get, parse_metrics, run

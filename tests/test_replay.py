@@ -18,7 +18,7 @@ from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar import replay
 from sidecar.config import ServerConfig
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 from sidecar.store import Store
 from tests.conftest import CATALOGS, ROOT, engine_of
 

@@ -12,7 +12,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.engine import Sidecar
 from sidecar.recommend.sequences import SequenceFit
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 
 from .conftest import CATALOGS
 

@@ -25,7 +25,7 @@ from sidecar.client import SidecarClient, tokens
 from sidecar.mcp import config as mcp_config
 from sidecar.mcp.state import State
 from sidecar.core.pipeline import Pipeline
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until
 from tests.test_mcp_live import CHANGER, FAST, child_pids

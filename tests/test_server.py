@@ -32,7 +32,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
-from sidecar.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
+from sidecar.serve.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
 from sidecar.store import Store
 from sidecar.core.stream import Segmenter
 
@@ -994,7 +994,7 @@ def test_blas_threads_are_limited_for_the_process_or_left_at_numpys_default():
     held the other core of two at 100%, and a client's pings waited for it (issue 33). In a
     fresh interpreter (the limit is process-wide): 0 leaves what OpenBLAS chose (a thread per
     core), a limit holds until changed, and without numpy loaded there is nothing to limit."""
-    code = ("from sidecar.telemetry import limit_blas_threads as limit; print(limit(0)); import numpy; "
+    code = ("from sidecar.serve.telemetry import limit_blas_threads as limit; print(limit(0)); import numpy; "
             "print(limit(0), limit(1), limit(0), limit(2))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60, check=True).stdout
@@ -1010,7 +1010,7 @@ def test_a_metrics_scrape_does_not_walk_the_frozen_heap(small, monkeypatch):
     kept from the freeze."""
     import gc
 
-    from sidecar import telemetry
+    from sidecar.serve import telemetry
 
     async def main():
         async with serving(small) as srv:

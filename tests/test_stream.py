@@ -12,18 +12,11 @@ from sidecar.core import stream
 from sidecar.config import ServerConfig
 from sidecar.engine import Judgement
 from sidecar.core.gate import Candidate, Decision, Timing, Trigger
-from sidecar.pending import Pending
+from sidecar.serve.pending import Pending
 from sidecar.protocol import Hello, ProtocolError
 from sidecar.recommend.filters import Context
 from sidecar.recommend.recommender import Factors, Recommendation, Recommendations
-from sidecar.session import (
-    Scope,
-    Session,
-    Verdict,
-    context_of,
-    inject_for,
-    session_catalog,
-)
+from sidecar.serve.session import Scope, Session, Verdict, context_of, inject_for, session_catalog
 from sidecar.core.stream import Segmenter
 
 from .conftest import CATALOGS
@@ -374,7 +367,7 @@ def test_a_long_user_turn_is_judged_on_its_head_and_tail(notes):
 
 def test_a_session_remembers_a_bounded_number_of_ended_streams_and_offers(notes):
     """Issue 13: what a long-lived connection keeps is bounded by the config, not by its age."""
-    from sidecar.session import OFFERS_KEPT
+    from sidecar.serve.session import OFFERS_KEPT
 
     s = started(ServerConfig(max_streams=4, closed_streams=8), notes)
     for i in range(500):

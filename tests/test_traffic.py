@@ -22,10 +22,10 @@ from sidecar.core.catalog import load as load_catalog
 from sidecar.client import SidecarClient
 from sidecar.config import LearnConfig
 from sidecar.engine import Sidecar
-from sidecar.learner import Learner
+from sidecar.serve.learner import Learner
 from sidecar.lab.evaluate import read_labeled
 from sidecar.core.pipeline import Request
-from sidecar.server import SidecarServer
+from sidecar.serve.server import SidecarServer
 from sidecar.store import open_store
 from sidecar.learn.traffic import Example, TrafficFit, TrafficLog, Turns
 

@@ -35,7 +35,7 @@ from ..config import Config
 from ..engine import Sidecar, open_history
 from ..metrics import key_of
 from ..store import Store
-from ..telemetry import limit_blas_threads
+from ..serve.telemetry import limit_blas_threads
 from . import meta
 from .calls import call_recorded, error, result
 from .connections import ConnectionManager, ServerUnavailable, describe

@@ -33,12 +33,12 @@ from .. import __version__
 from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar
-from ..learner import Learner
+from ..serve.learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
-from ..telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
+from ..serve.telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
 from ..learn.traffic import Turn
-from ..web import _hostname, _loopback
+from ..serve.web import _hostname, _loopback
 from . import shapes
 from .offer import Judge, Narration, Offer
 
@@ -532,7 +532,7 @@ class ProxyServer:
     async def start(self) -> None:
         """Bind (a busy port fails here, before anything loads), load, then serve: connections
         made while loading wait in the listen backlog."""
-        from ..server import open_engine
+        from ..serve.server import open_engine
 
         sock = self._sock = _bind(self.cfg.proxy.host, self.cfg.proxy.port)
         loop = asyncio.get_running_loop()

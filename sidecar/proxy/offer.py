@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import Config
 from ..protocol import Hello, Inject
 from ..recommend.filters import Context
-from ..session import Evaluation, Scope, Session, inject_for, judge
+from ..serve.session import Evaluation, Scope, Session, inject_for, judge
 from . import shapes
 
 if TYPE_CHECKING:

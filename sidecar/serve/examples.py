@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .core import cases as cases_mod
-from .core.catalog import Catalog, Tool
+from ..core import cases as cases_mod
+from ..core.catalog import Catalog, Tool
 
 MAX_EXAMPLES = 6
 

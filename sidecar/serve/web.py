@@ -117,7 +117,7 @@ def _loopback(name: str) -> bool:
 
 
 def page_response(conn: ServerConnection) -> Response:
-    """The page to watch the sidecar work (sidecar/page/): checked like any client."""
+    """The page to watch the sidecar work (sidecar/serve/page/): checked like any client."""
     served = page()
     resp = _typed(conn.respond(200, served.html), "text/html; charset=utf-8")
     for name, value in served.headers:

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .core.catalog import Catalog, CatalogError, from_tools
-from .config import ServerConfig
-from .core.gate import Decision
-from .core.pipeline import Request
-from .protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo, WorkflowStep
-from .recommend.filters import Context, Permissions
-from .core.stream import Segmenter, Span
-from .learn.traffic import Turn, Turns
+from ..core.catalog import Catalog, CatalogError, from_tools
+from ..config import ServerConfig
+from ..core.gate import Decision
+from ..core.pipeline import Request
+from ..protocol import Hello, Inject, InjectedTool, ProtocolError, TriggerInfo, WorkflowStep
+from ..recommend.filters import Context, Permissions
+from ..core.stream import Segmenter, Span
+from ..learn.traffic import Turn, Turns
 
 if TYPE_CHECKING:
-    from .engine import Judgement, Sidecar
+    from ..engine import Judgement, Sidecar
 
 
 @dataclass(frozen=True, eq=False)

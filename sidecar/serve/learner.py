@@ -13,12 +13,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .config import LearnConfig
-from .recommend.sequences import SequenceFit
-from .learn.traffic import Learned, Outcome, TrafficFit, TrafficLog, Turn
+from ..config import LearnConfig
+from ..recommend.sequences import SequenceFit
+from ..learn.traffic import Learned, Outcome, TrafficFit, TrafficLog, Turn
 
 if TYPE_CHECKING:
-    from .engine import Sidecar
+    from ..engine import Sidecar
     from .telemetry import Metrics
 
 log = logging.getLogger("sidecar.server")

@@ -48,22 +48,22 @@ from typing import Any
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from . import __version__
-from .core import cases as cases_mod
-from . import protocol as p
-from .core.catalog import Catalog, Tool
-from .config import Config
-from .engine import Sidecar
-from .core.gate import Decision
-from .core.index import PRIMARY_CHARS
-from .mcp.config import McpConfig
-from .mcp.connections import ConnectionManager
-from .mcp.live import LiveCatalog, go_live
+from .. import __version__
+from ..core import cases as cases_mod
+from .. import protocol as p
+from ..core.catalog import Catalog, Tool
+from ..config import Config
+from ..engine import Sidecar
+from ..core.gate import Decision
+from ..core.index import PRIMARY_CHARS
+from ..mcp.config import McpConfig
+from ..mcp.connections import ConnectionManager
+from ..mcp.live import LiveCatalog, go_live
 from .pending import Pending
 from .learner import Learner
-from .learn.traffic import Turns
+from ..learn.traffic import Turns
 from .records import Records
-from .recommend.filters import compile_permissions
+from ..recommend.filters import compile_permissions
 from .session import (
     Evaluation,
     Scope,
@@ -74,7 +74,7 @@ from .session import (
     judge,
     session_catalog,
 )
-from .store import Store
+from ..store import Store
 from .telemetry import Metrics, freeze_loaded_heap, limit_blas_threads, pin_mmap_threshold
 from .web import Web, peer
 
