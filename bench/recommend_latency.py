@@ -55,9 +55,9 @@ from sidecar.core import models, pipeline  # noqa: E402
 from sidecar.core.catalog import Catalog, Tool  # noqa: E402
 from sidecar.config import RecommendConfig  # noqa: E402
 from sidecar.core.lexical import LexicalIndex  # noqa: E402
-from sidecar.metrics import MetricsStore, key_of  # noqa: E402
+from sidecar.store.metrics import MetricsStore, key_of  # noqa: E402
 from sidecar.recommend import Recommender  # noqa: E402
-from sidecar.store import Store  # noqa: E402
+from sidecar.store.sqlite import Store  # noqa: E402
 
 ALL = ROOT / "fixtures" / "catalogs" / "ALL.json"
 

@@ -22,12 +22,12 @@ from .core.asks import split as split_asks
 from .core.catalog import Catalog
 from .config import Config, GateConfig
 from .core.gate import Decision, Timing
-from .metrics import MetricsStore, StringCaps
+from .store.metrics import MetricsStore, StringCaps
 from .core.pipeline import Detected, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences
-from .store import Store, open_store
+from .store.sqlite import Store, open_store
 
 
 class Judgement(msgspec.Struct):

@@ -13,7 +13,7 @@ from sidecar import config as config_mod
 from sidecar.learn import learned
 from sidecar.core import pipeline
 from sidecar.core.catalog import Tool
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS
 
 FILE_SERVERS = [CATALOGS / f"{c}.json" for c in ("filesystem", "git", "github", "notes")]

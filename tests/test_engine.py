@@ -20,7 +20,7 @@ from sidecar.engine import Sidecar
 from sidecar.lab.evaluate import Labeled
 from sidecar.core.pipeline import Request
 from sidecar.serve.server import SidecarServer
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 
 from .conftest import CATALOGS, ROOT
 

@@ -14,7 +14,7 @@ from sidecar.core import models
 from sidecar.core.cases import Strategy
 from sidecar.core.embed import Embedder
 from sidecar.core.index import ToolIndex
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS
 
 BASE = Strategy.parse("base")

@@ -27,9 +27,9 @@ import websockets
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
 from sidecar.core.catalog import Tool
-from sidecar.metrics import MetricsStore
+from sidecar.store.metrics import MetricsStore
 from sidecar.serve.server import SHARED_WINDOW_S, slice_starts, tool_chars
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 
 from .test_hardening import metrics_of, tracebacks
 from .test_server import (  # noqa: F401  (pipelines, small: fixtures)

@@ -15,7 +15,7 @@ from sidecar.learn import learned
 from sidecar.core.gate import route
 from sidecar import config as config_mod
 from sidecar.core.pipeline import Request
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS
 
 INTENTS = {

@@ -124,7 +124,7 @@ def test_one_bm25_index_per_catalog_object(real):
 
 
 def test_a_restart_reads_the_index_back_from_the_store(real, tmp_path):
-    from sidecar.store import Store
+    from sidecar.store.sqlite import Store
 
     built = LexicalIndex.stored(real, Store(tmp_path / "s.db"))
     assert built.origin == "built"
@@ -141,7 +141,7 @@ def test_a_restart_reads_the_index_back_from_the_store(real, tmp_path):
 
 def test_the_store_keeps_the_latest_catalogs_only(real, tmp_path):
     from sidecar.core.lexical import KEEP
-    from sidecar.store import Store
+    from sidecar.store.sqlite import Store
 
     store = Store(tmp_path / "s.db")
     for n in range(KEEP + 3):

@@ -27,7 +27,7 @@ from sidecar.mcp.connections import ConnectionManager, ServerUnavailable
 from sidecar.mcp.live import LiveCatalog, build_catalog
 from sidecar.mcp.state import Breaker, State, backoff_delays, diff, schema_hash
 from sidecar.core.pipeline import Request
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until
 

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from sidecar.metrics import DAY_S, Feedback, MetricsStore, RefReused, day_of
-from sidecar.store import Store
+from sidecar.store.metrics import DAY_S, Feedback, MetricsStore, RefReused, day_of
+from sidecar.store.sqlite import Store
 from tests.conftest import ROOT
 
 T0 = 1_750_000_000.0  # a fixed "now" (2025-06-15 UTC)
@@ -179,7 +179,7 @@ def test_retention_must_be_positive(tmp_path):
 WRITER = textwrap.dedent(
     """
     import sys
-    from sidecar.metrics import MetricsStore
+    from sidecar.store.metrics import MetricsStore
     from sidecar.store import Store
     ms = MetricsStore(Store(sys.argv[1]))
     i = 0
@@ -220,7 +220,7 @@ def test_acknowledged_calls_survive_kill_9(tmp_path):
 
 
 def test_stored_strings_are_cut_to_their_caps(tmp_path, clock):
-    from sidecar.metrics import StringCaps
+    from sidecar.store.metrics import StringCaps
 
     ms = MetricsStore(Store(tmp_path / "caps.db"), clock=clock, caps=StringCaps(agent=8, query=10, error=12, name=16))
     rid = ms.record_call("s" * 100, "t" * 100, False, 1.0, "e" * 1000, agent="a" * 1000, call_id="c")

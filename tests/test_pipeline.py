@@ -17,7 +17,7 @@ from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar.core.index import ToolIndex
 from sidecar.core.pipeline import Request
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS, ROOT
 
 NOTES = CATALOGS / "notes.json"

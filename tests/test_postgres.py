@@ -27,9 +27,9 @@ import pytest
 from sidecar.core import models
 from sidecar import protocol as p
 from sidecar.client import SidecarClient
-from sidecar.metrics import Feedback, MetricsStore, RefReused, key_of
-from sidecar.store import Store, StoreBusy, StoreError, open_store
-from sidecar.store_pg import PgStore, display, pg_ddl
+from sidecar.store.metrics import Feedback, MetricsStore, RefReused, key_of
+from sidecar.store.sqlite import Store, StoreBusy, StoreError, open_store
+from sidecar.store.postgres import PgStore, display, pg_ddl
 
 from .conftest import CATALOGS, ROOT, serve_processes
 from .pg_cluster import Cluster

@@ -19,7 +19,7 @@ from sidecar.core import calibration as calib
 from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar.core.embed import Embedder
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS, ROOT
 from tests.test_models import link_or_copy
 

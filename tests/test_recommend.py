@@ -16,11 +16,11 @@ from sidecar import config as config_mod
 from sidecar.core import catalog as catalog_mod
 from sidecar.core import models, pipeline
 from sidecar.config import RecommendConfig
-from sidecar.metrics import Feedback, MetricsStore
+from sidecar.store.metrics import Feedback, MetricsStore
 from sidecar.recommend import Context, Permissions, Recommender
 from sidecar.recommend import filters as F
 from sidecar.recommend import learn
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from sidecar.learn.traffic import Example, Learned
 from tests.conftest import CATALOGS, ROOT
 

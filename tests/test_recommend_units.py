@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sidecar.core.catalog import Tool
-from sidecar.metrics import Feedback
+from sidecar.store.metrics import Feedback
 from sidecar.recommend import filters as F
 from sidecar.recommend import intent as I
 from sidecar.recommend import learn as L
@@ -164,7 +164,7 @@ def test_project_tags():
 
 
 def test_failing_servers_from_recent_calls():
-    from sidecar.metrics import CallCount
+    from sidecar.store.metrics import CallCount
 
     recent = {("a", "t1"): CallCount(4, 0), ("a", "t2"): CallCount(2, 1), ("b", "t"): CallCount(10, 9), ("c", "t"): CallCount(2, 0)}
     assert F.failing_servers(recent, min_calls=5, failure_rate=0.8) == frozenset({"a"})

@@ -19,7 +19,7 @@ from sidecar.core import models, pipeline
 from sidecar import replay
 from sidecar.config import ServerConfig
 from sidecar.serve.server import SidecarServer
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.conftest import CATALOGS, ROOT, engine_of
 
 NOTES = CATALOGS / "notes.json"

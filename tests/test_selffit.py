@@ -13,7 +13,7 @@ from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar.learn import selffit
 from sidecar.core.calibration import Calibration, builtin
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 
 from .test_learned_classifier import HELD_BACK, INTENTS
 

@@ -33,7 +33,7 @@ from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
 from sidecar.serve.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from sidecar.core.stream import Segmenter
 
 from .conftest import CATALOGS, ROOT, engine_of, serve_process

@@ -9,7 +9,7 @@ import numpy as np
 from sidecar.core import calibration, models, pipeline
 from sidecar import config as config_mod
 from sidecar.learn import learned
-from sidecar.store import Store
+from sidecar.store.sqlite import Store
 from tests.test_actions import FILE_SERVERS, files  # noqa: F401  (the four file servers' pipeline, per model)
 
 

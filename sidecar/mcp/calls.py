@@ -16,7 +16,7 @@ from typing import Any
 import mcp_types as types
 import orjson
 
-from ..metrics import MetricsStore, key_of
+from ..store.metrics import MetricsStore, key_of
 from .connections import ConnectionManager, ServerUnavailable, describe
 
 

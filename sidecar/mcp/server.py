@@ -33,8 +33,8 @@ from .. import __version__
 from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar, open_history
-from ..metrics import key_of
-from ..store import Store
+from ..store.metrics import key_of
+from ..store.sqlite import Store
 from ..serve.telemetry import limit_blas_threads
 from . import meta
 from .calls import call_recorded, error, result

@@ -26,9 +26,9 @@ import numpy as np
 from ..core.catalog import Catalog, Tool
 from ..config import RecommendConfig
 from ..core.lexical import LexicalIndex
-from ..metrics import CallCount, MetricsStore, ToolMetrics, key_of
+from ..store.metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
-from ..store import StoreError
+from ..store.sqlite import StoreError
 from . import filters as F
 from . import intent as I
 from . import scoring as S

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .. import protocol as p
-from ..metrics import Feedback, RefReused, key_of
+from ..store.metrics import Feedback, RefReused, key_of
 from .session import Session
-from ..store import StoreBusy
+from ..store.sqlite import StoreBusy
 
 if TYPE_CHECKING:
     from .server import Connection, SidecarServer

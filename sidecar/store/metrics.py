@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 import msgspec
 import orjson
 
-from .core.catalog import SEP, Catalog
-from .store import Store
+from ..core.catalog import SEP, Catalog
+from .sqlite import Store
 
 DAY_S = 86400.0
 MAX_ERROR_CHARS = 500  # the default cap of a stored error (StringCaps.error)

@@ -100,7 +100,7 @@ def open_store(location: str | os.PathLike | None) -> Store:
 def backend_for(location: str | os.PathLike) -> type[Store]:
     if isinstance(location, str) and PG_URL.match(location):
         try:
-            from .store_pg import PgStore
+            from .postgres import PgStore
         except ImportError as e:
             raise StoreError(f"a postgresql:// store needs psycopg 3 ({e}): pip install 'psycopg[binary]'") from None
         return PgStore

@@ -1,0 +1,1 @@
+"""Storage: the store (embedding cache, file digests) and the metrics store (tool calls, feedback)."""
