@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar import config  # noqa: E402
 from sidecar.core.index import embed_cached  # noqa: E402
 from sidecar.core.pipeline import open_embedder  # noqa: E402
-from sidecar.store.sqlite import open_store  # noqa: E402
+from sidecar.store import open_store  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 TEMPERATURE, L2, STEPS, RATE, FOLDS, FIRE_QUANTILE = 20.0, 1e-4, 300, 0.5, 5, 0.05

@@ -27,7 +27,7 @@ from sidecar import config as config_mod  # noqa: E402
 from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.lab.evaluate import read_labeled  # noqa: E402
 from sidecar.core.pipeline import Request  # noqa: E402
-from sidecar.store.sqlite import open_store  # noqa: E402
+from sidecar.store import open_store  # noqa: E402
 from sidecar.learn.traffic import Example, TrafficFit, best_bar  # noqa: E402
 
 

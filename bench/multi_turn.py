@@ -35,7 +35,7 @@ from sidecar import config as config_mod  # noqa: E402
 from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.serve.learner import apply_learned, traffic_log  # noqa: E402
 from sidecar.replay import replay  # noqa: E402
-from sidecar.store.sqlite import open_store  # noqa: E402
+from sidecar.store import open_store  # noqa: E402
 from sidecar.learn.traffic import log_examples  # noqa: E402
 from sidecar.transcripts import read_transcripts  # noqa: E402
 

@@ -57,7 +57,7 @@ from sidecar.config import RecommendConfig  # noqa: E402
 from sidecar.core.lexical import LexicalIndex  # noqa: E402
 from sidecar.store.metrics import MetricsStore, key_of  # noqa: E402
 from sidecar.recommend import Recommender  # noqa: E402
-from sidecar.store.sqlite import Store  # noqa: E402
+from sidecar.store import open_store, Store  # noqa: E402
 
 ALL = ROOT / "fixtures" / "catalogs" / "ALL.json"
 
@@ -172,7 +172,7 @@ def measure_size(model: str, base: Catalog, size: int, tmp: pathlib.Path, rounds
     """Cold build, warm starts and recommendation latency at one catalog size, in a fresh store."""
     cat = synthesise(base, size)
     path = tmp / f"index-{size}.db"
-    store = Store(path)
+    store = open_store(path)
     t0 = time.perf_counter()
     cold = load_pipeline(model, cat, store)
     build_cold = time.perf_counter() - t0
@@ -185,7 +185,7 @@ def measure_size(model: str, base: Catalog, size: int, tmp: pathlib.Path, rounds
         if pipe is not None:
             pipe.store.close()
             pipe = None  # one pipeline in memory at a time, as after a restart
-        store = Store(path)  # a restart: a new connection to the same file
+        store = open_store(path)  # a restart: a new connection to the same file
         t0 = time.perf_counter()
         pipe = load_pipeline(model, cat, store)
         warm.append(time.perf_counter() - t0)
@@ -195,7 +195,7 @@ def measure_size(model: str, base: Catalog, size: int, tmp: pathlib.Path, rounds
         t0 = time.perf_counter()
         LexicalIndex(cat, "bm25")  # what the start spent on it (timed apart: from_config does not say)
         lexical_s.append(time.perf_counter() - t0)
-    metrics = MetricsStore(Store(tmp / f"m{size}.db"))
+    metrics = MetricsStore(open_store(tmp / f"m{size}.db"))
     fail(metrics, cat, random.Random(size).sample(cat.names(), max(1, size // 10)), time.time())  # a history to read
     default = RecommendConfig().mode
     t0 = time.perf_counter()
@@ -257,7 +257,7 @@ def main() -> None:
 
     print(f"\nranking quality on the real catalog ({len(base)} tools), expected tool's rank in the top 10")
     print(f"{'model':<24} {'scenario':<28} {'set':<8} {'mode':<8} {'top1':>6} {'MRR':>6}")
-    store = Store(tmp / "bench.db")
+    store = open_store(tmp / "bench.db")
     for model in args.quality_model or [models.SMALL_MODEL, models.DEFAULT_MODEL]:
         pipe = load_pipeline(model, base, store)
         expected = {n for _, e in DEV + HELDOUT for n in e}
@@ -268,7 +268,7 @@ def main() -> None:
             "expected tools failing": sorted(expected),
         }
         for label, failing in scenarios.items():
-            metrics = MetricsStore(Store(tmp / f"q-{model}-{len(failing)}.db"))
+            metrics = MetricsStore(open_store(tmp / f"q-{model}-{len(failing)}.db"))
             fail(metrics, base, failing, time.time())
             rec = Recommender(pipe, metrics, RecommendConfig(cache_ttl_s=0))
             for set_name, items in (("dev", DEV), ("heldout", HELDOUT)):

@@ -35,7 +35,7 @@ from soak import serve  # noqa: E402  (bench/soak.py: one `sidecar serve` on 127
 
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
-from sidecar.store.sqlite import open_store  # noqa: E402
+from sidecar.store import open_store  # noqa: E402
 from tests.pg_cluster import Cluster  # noqa: E402
 
 TOOLS = ["create_note", "read_note", "semantic_search"]

@@ -22,7 +22,7 @@ from .core.catalog import CatalogError
 from .config import ConfigError
 from .core.embed import EmbedError
 from .core.patterns import PatternError
-from .store.sqlite import StoreError
+from .store import StoreError
 
 # Errors that are the user's to fix: one line on stderr, exit 2, no traceback.
 USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedError, StoreError, models.ProvisioningError, ValueError, OSError)
@@ -165,7 +165,7 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     from .store.metrics import MetricsStore
-    from .store.sqlite import open_store
+    from .store import open_store
 
     cfg = config_mod.load(args.config, overrides={("store",): args.store})
     path = cfg.store
@@ -235,7 +235,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
             print(describe_savings(report))
         return 0
-    from .store.sqlite import open_store
+    from .store import open_store
 
     settings = config_mod.load(overrides={("model", "name"): args.model, ("store",): args.store})  # TOML from SIDECAR_CONFIG
     store = open_store(settings.store)
@@ -293,7 +293,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
     cat = catalog_mod.load(cfg.catalogs)
     items = evaluate.against_whole_catalog(evaluate.read_labeled(args.labeled, cat), "cascade")
     if args.out_of_fold:
-        from .store.sqlite import open_store
+        from .store import open_store
 
         say = None if args.quiet else (lambda m: print(f"sidecar: {m}", file=sys.stderr))
         fit = cascade.fit_out_of_fold(items, cat, cfg, open_store(cfg.store), args.max_loss, say)
@@ -419,7 +419,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .core import catalog as catalog_mod
     from .serve import server
-    from .store.sqlite import open_store
+    from .store import open_store
 
     cfg = _config(args, {("server", "host"): args.host, ("server", "port"): args.port})
     cat = catalog_mod.load(cfg.catalogs) if cfg.catalogs else catalog_mod.Catalog([])  # fail before binding
@@ -445,7 +445,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     from .core import catalog as catalog_mod
     from .proxy import app
-    from .store.sqlite import open_store
+    from .store import open_store
 
     cfg = _config(args, {("proxy", "upstream"): args.upstream, ("proxy", "host"): args.host, ("proxy", "port"): args.port,
                          ("proxy", "confirm_tools"): args.confirm_tools, ("proxy", "on_narration"): args.on_narration})  # fmt: skip

@@ -386,7 +386,7 @@ def load(path: str | os.PathLike | None = None, env: dict[str, str] | None = Non
         if value is not None:
             _set(tree, keys, value)
     if not tree.get("store"):
-        from .store.sqlite import default_path
+        from .store import default_path
 
         tree["store"] = str(default_path(env.get("XDG_DATA_HOME")))
     if isinstance(model := tree.setdefault("model", {}), dict) and not model.get("dir"):

@@ -27,7 +27,7 @@ from .core.pipeline import Detected, Pipeline, Request, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences
-from .store.sqlite import Store, open_store
+from .store import Store, open_store
 
 
 class Judgement(msgspec.Struct):

@@ -13,7 +13,7 @@ from sidecar import config as config_mod
 from sidecar.learn import learned
 from sidecar.core import pipeline
 from sidecar.core.catalog import Tool
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS
 
 FILE_SERVERS = [CATALOGS / f"{c}.json" for c in ("filesystem", "git", "github", "notes")]
@@ -102,7 +102,7 @@ def test_fitting_added_views_holds_the_others():
 @pytest.fixture(scope="module", params=[models.DEFAULT_MODEL, models.SMALL_MODEL])
 def files(request, tmp_path_factory) -> pipeline.Pipeline:
     cfg = config_mod.load(env={}, overrides={("model", "name"): request.param, ("catalogs",): [str(c) for c in FILE_SERVERS]})
-    return pipeline.from_config(cfg, store=Store(tmp_path_factory.mktemp("store") / "sidecar.db"), progress=False)
+    return pipeline.from_config(cfg, store=open_store(tmp_path_factory.mktemp("store") / "sidecar.db"), progress=False)
 
 
 def test_writing_to_a_file_ranks_no_read_tool_first(files):

@@ -20,7 +20,7 @@ from sidecar.engine import Sidecar
 from sidecar.lab.evaluate import Labeled
 from sidecar.core.pipeline import Request
 from sidecar.serve.server import SidecarServer
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 
 from .conftest import CATALOGS, ROOT
 
@@ -66,7 +66,7 @@ def test_detect_eval_replay_and_serve_inject_the_same_first_tool(tmp_path):
 
     # serve: a real server and client
     async def served() -> dict[str, str]:
-        server = SidecarServer(cfg, engine=Sidecar(cfg, engine.pipeline, Store(tmp_path / "serve.db"), None))
+        server = SidecarServer(cfg, engine=Sidecar(cfg, engine.pipeline, open_store(tmp_path / "serve.db"), None))
         await server.start()
         try:
             async with await SidecarClient.connect(server.url, session="agree") as sc:

@@ -14,7 +14,7 @@ from sidecar.core import models
 from sidecar.core.cases import Strategy
 from sidecar.core.embed import Embedder
 from sidecar.core.index import ToolIndex
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS
 
 BASE = Strategy.parse("base")
@@ -32,9 +32,9 @@ def cat() -> catalog_mod.Catalog:
 
 
 def test_a_restart_reads_every_tool_back_from_the_store(embedder, cat, tmp_path):
-    first = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    first = ToolIndex.build(cat, embedder, BASE, open_store(tmp_path / "s.db"))
     assert first.stats.embedded > 0 and first.stats.stored == 0
-    again = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))  # a new connection: a restart
+    again = ToolIndex.build(cat, embedder, BASE, open_store(tmp_path / "s.db"))  # a new connection: a restart
     assert again.stats.stored == len(cat) and again.stats.embedded == 0
     assert again.stats.cached == first.stats.embedded  # every text, counted once
     assert again.names == first.names and again.texts == first.texts
@@ -44,23 +44,23 @@ def test_a_restart_reads_every_tool_back_from_the_store(embedder, cat, tmp_path)
 
 
 def test_a_restart_derives_and_embeds_only_the_changed_tool(embedder, cat, tmp_path):
-    ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    ToolIndex.build(cat, embedder, BASE, open_store(tmp_path / "s.db"))
     tools = list(cat)
     tools[0] = msgspec.structs.replace(tools[0], description="Summarise the repository's history as a changelog for a release.")
     changed = catalog_mod.Catalog(tools, ["<edited>"])
-    again = ToolIndex.build(changed, embedder, BASE, Store(tmp_path / "s.db"))
+    again = ToolIndex.build(changed, embedder, BASE, open_store(tmp_path / "s.db"))
     assert again.stats.stored == len(tools) - 1
     assert 0 < again.stats.embedded <= 3  # the changed tool's new texts only
     assert any("changelog" in t for t in again.entries[tools[0].name].texts)
 
 
 def test_stored_rows_are_per_model_and_strategy(embedder, cat, tmp_path):
-    ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
-    other = ToolIndex.build(cat, embedder, Strategy.parse("prefix"), Store(tmp_path / "s.db"))
+    ToolIndex.build(cat, embedder, BASE, open_store(tmp_path / "s.db"))
+    other = ToolIndex.build(cat, embedder, Strategy.parse("prefix"), open_store(tmp_path / "s.db"))
     assert other.stats.stored == 0  # other texts: derived again (the shared ones come from the cache)
     assert all(t.startswith(f"{n.replace('__', ' ')}: ") for n in other.names for t in other.entries[n].texts)  # "git git_log: ..."
     renamed = Embedder(embedder.path, name="other", identity="another-model", threads=1, max_tokens=embedder.max_tokens)
-    assert ToolIndex.build(cat, renamed, BASE, Store(tmp_path / "s.db")).stats.stored == 0
+    assert ToolIndex.build(cat, renamed, BASE, open_store(tmp_path / "s.db")).stats.stored == 0
 
 
 def test_few_queries_score_the_same_on_one_blas_thread_from_many_threads(embedder, cat, tmp_path):
@@ -70,7 +70,7 @@ def test_few_queries_score_the_same_on_one_blas_thread_from_many_threads(embedde
 
     from sidecar.core import index as index_mod
 
-    idx = ToolIndex.build(cat, embedder, BASE, Store(tmp_path / "s.db"))
+    idx = ToolIndex.build(cat, embedder, BASE, open_store(tmp_path / "s.db"))
     q = embedder.embed(["show me the git log", "what time is it in Tokyo"]).vectors
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda _: idx.views(q), range(16)))
@@ -95,7 +95,7 @@ def test_own_cases_are_embedded_as_queries_and_derived_phrases_as_documents(tmp_
     both = catalog_mod.load([CATALOGS / "notes.json", CATALOGS / "time.json"])
     own = next(t for t in both if t.cases)  # notes.json's tools carry cases, time.json's do not
     derived = next(t for t in both if not t.cases)
-    index = ToolIndex.build(both, nomic, BASE, Store(tmp_path / "s.db"))
+    index = ToolIndex.build(both, nomic, BASE, open_store(tmp_path / "s.db"))
     for tool, kind in ((own, "query"), (derived, "document")):
         entry = index.entries[tool.name]
         expected = nomic.embed(list(entry.texts), kind).vectors
@@ -124,7 +124,7 @@ def test_a_bulk_job_runs_on_the_bulk_threads_and_gives_the_same_vectors(embedder
         return real(*args, **kwargs)
 
     two._llm.embed = watch
-    bulk, embedded = embed_cached(two, Store(tmp_path / "s.db"), texts, "document")
+    bulk, embedded = embed_cached(two, open_store(tmp_path / "s.db"), texts, "document")
     assert embedded == BULK_TEXTS and set(seen) == {2}
     assert llama_cpp.llama_n_threads_batch(two._llm._ctx.ctx) == 1  # back to serving
     seen.clear()

@@ -29,7 +29,7 @@ from sidecar.client import SidecarClient
 from sidecar.core.catalog import Tool
 from sidecar.store.metrics import MetricsStore
 from sidecar.serve.server import SHARED_WINDOW_S, slice_starts, tool_chars
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 
 from .test_hardening import metrics_of, tracebacks
 from .test_server import (  # noqa: F401  (pipelines, small: fixtures)
@@ -465,7 +465,7 @@ def test_an_ack_waits_a_bounded_time_for_another_process_and_then_says_store_bus
             t_busy = time.perf_counter() - t0
             # `sidecar metrics` opening the same store while it is locked: reads only, no wait
             t1 = time.perf_counter()
-            reader = Store(path)
+            reader = open_store(path)
             MetricsStore(reader).listing()
             reader.close()
             t_open = time.perf_counter() - t1

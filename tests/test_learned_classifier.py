@@ -15,7 +15,7 @@ from sidecar.learn import learned
 from sidecar.core.gate import route
 from sidecar import config as config_mod
 from sidecar.core.pipeline import Request
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS
 
 INTENTS = {
@@ -41,7 +41,7 @@ HELD_BACK = [  # paraphrases that are none of the cases
 
 def _pipeline(tmp_path, catalog_path) -> pipeline.Pipeline:
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(catalog_path)]})
-    return pipeline.from_config(cfg, store=Store(tmp_path / "sidecar.db"), progress=False)
+    return pipeline.from_config(cfg, store=open_store(tmp_path / "sidecar.db"), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_tune_keeps_its_requests_as_examples_that_the_classifier_learns_from(int
     tune.write_calibration(fitted, cal)
     assert calibration.read(cal).examples == ex
     overrides = {("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(bank)], ("calibration",): str(cal)}
-    tuned = pipeline.from_config(config_mod.load(env={}, overrides=overrides), store=Store(tmp_path / "s.db"), progress=False)
+    tuned = pipeline.from_config(config_mod.load(env={}, overrides=overrides), store=open_store(tmp_path / "s.db"), progress=False)
     before, after = intents.index_for("user").classifier, tuned.index_for("user").classifier
     assert after is not None and not np.allclose(before.coef, after.coef)
     own = lambda clf: learned.classifier_view(clf.logits(vectors), (len(vectors), len(INTENTS)))[np.arange(len(vectors)), at]  # noqa: E731

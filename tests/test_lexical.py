@@ -124,26 +124,26 @@ def test_one_bm25_index_per_catalog_object(real):
 
 
 def test_a_restart_reads_the_index_back_from_the_store(real, tmp_path):
-    from sidecar.store.sqlite import Store
+    from sidecar.store import open_store
 
-    built = LexicalIndex.stored(real, Store(tmp_path / "s.db"))
+    built = LexicalIndex.stored(real, open_store(tmp_path / "s.db"))
     assert built.origin == "built"
-    again = LexicalIndex.stored(Catalog(list(real)), Store(tmp_path / "s.db"))  # a restart: new objects
+    again = LexicalIndex.stored(Catalog(list(real)), open_store(tmp_path / "s.db"))  # a restart: new objects
     assert again.origin == "store" and again.vocab == built.vocab and again.names == built.names
     for q in QUERIES:
         assert np.array_equal(again.scores(q), built.scores(q)) and again.rank(q) == built.rank(q)
     tools = list(real)
     tools[5] = msgspec.structs.replace(tools[5], description="Plot a histogram of kubernetes pod restarts.")
-    changed = LexicalIndex.stored(Catalog(tools), Store(tmp_path / "s.db"))
+    changed = LexicalIndex.stored(Catalog(tools), open_store(tmp_path / "s.db"))
     assert changed.origin == "built" and changed.rank("kubernetes histogram", k=1)[0][0] == tools[5].name
-    assert LexicalIndex.stored(real, Store(tmp_path / "s.db"), "tfidf").origin == "built"  # per kind
+    assert LexicalIndex.stored(real, open_store(tmp_path / "s.db"), "tfidf").origin == "built"  # per kind
 
 
 def test_the_store_keeps_the_latest_catalogs_only(real, tmp_path):
     from sidecar.core.lexical import KEEP
-    from sidecar.store.sqlite import Store
+    from sidecar.store import open_store
 
-    store = Store(tmp_path / "s.db")
+    store = open_store(tmp_path / "s.db")
     for n in range(KEEP + 3):
         LexicalIndex.stored(Catalog(list(real)[n : n + 40]), store)
     assert store.query("SELECT count(*) FROM lexical_index")[0][0] == KEEP

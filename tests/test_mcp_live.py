@@ -27,7 +27,7 @@ from sidecar.mcp.connections import ConnectionManager, ServerUnavailable
 from sidecar.mcp.live import LiveCatalog, build_catalog
 from sidecar.mcp.state import Breaker, State, backoff_delays, diff, schema_hash
 from sidecar.core.pipeline import Request
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS, ROOT
 from tests.mcp_support import MISSING, TIME, free_port, fs_spec, listening, run, until
 
@@ -326,7 +326,7 @@ def test_a_preconnected_server_that_dies_is_reconnected_in_the_background():
 
 def _pipeline(store_path) -> pipeline.Pipeline:
     cfg_ = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL})
-    return pipeline.from_config(cfg_, catalog=Catalog([]), store=Store(store_path), progress=False)
+    return pipeline.from_config(cfg_, catalog=Catalog([]), store=open_store(store_path), progress=False)
 
 
 # list_changed via subscriptions/listen | a plain notification; a change's texts embedded first

@@ -15,7 +15,7 @@ import numpy as np
 from sidecar import protocol as p
 from sidecar.client import SidecarClient, tokens
 from sidecar.config import ServerConfig
-from sidecar.store.sqlite import PAGE_CACHE_KIB, SQLiteStore
+from sidecar.store import PAGE_CACHE_KIB, SQLiteStore
 from sidecar.serve.telemetry import MMAP_THRESHOLD, native_memory
 
 from .conftest import ROOT

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from sidecar.store.metrics import DAY_S, Feedback, MetricsStore, RefReused, day_of
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import ROOT
 
 T0 = 1_750_000_000.0  # a fixed "now" (2025-06-15 UTC)
@@ -33,7 +33,7 @@ def clock():
 
 @pytest.fixture
 def ms(tmp_path, clock):
-    return MetricsStore(Store(tmp_path / "m.db"), retention_days=7, clock=clock)
+    return MetricsStore(open_store(tmp_path / "m.db"), retention_days=7, clock=clock)
 
 
 def test_totals_per_tool(ms):
@@ -173,15 +173,15 @@ def test_feedback_round_trip_and_ratings(ms):
 
 def test_retention_must_be_positive(tmp_path):
     with pytest.raises(ValueError):
-        MetricsStore(Store(tmp_path / "x.db"), retention_days=0)
+        MetricsStore(open_store(tmp_path / "x.db"), retention_days=0)
 
 
 WRITER = textwrap.dedent(
     """
     import sys
     from sidecar.store.metrics import MetricsStore
-    from sidecar.store import Store
-    ms = MetricsStore(Store(sys.argv[1]))
+    from sidecar.store import open_store
+    ms = MetricsStore(open_store(sys.argv[1]))
     i = 0
     while True:
         rid = ms.record_call("fs", "write_file", i % 3 != 0, 1.0 + i, None if i % 3 else "err", call_id=f"call-{i}")
@@ -211,7 +211,7 @@ def acked_then_killed(location: str, n: int = 200) -> list[int]:
 def test_acknowledged_calls_survive_kill_9(tmp_path):
     db = tmp_path / "durable.db"
     acked = acked_then_killed(str(db))
-    ms = MetricsStore(Store(db))
+    ms = MetricsStore(open_store(db))
     ids = {r[0] for r in ms.store.query("SELECT id FROM tool_calls")}
     assert set(acked) <= ids
     m = ms.tool("fs", "write_file")
@@ -222,7 +222,7 @@ def test_acknowledged_calls_survive_kill_9(tmp_path):
 def test_stored_strings_are_cut_to_their_caps(tmp_path, clock):
     from sidecar.store.metrics import StringCaps
 
-    ms = MetricsStore(Store(tmp_path / "caps.db"), clock=clock, caps=StringCaps(agent=8, query=10, error=12, name=16))
+    ms = MetricsStore(open_store(tmp_path / "caps.db"), clock=clock, caps=StringCaps(agent=8, query=10, error=12, name=16))
     rid = ms.record_call("s" * 100, "t" * 100, False, 1.0, "e" * 1000, agent="a" * 1000, call_id="c")
     fid = ms.record_feedback(Feedback(query="q" * 1000, recommended=["r" * 100, "x"], selected="r" * 100, agent="a" * 1000, variant="v" * 100))
     db = ms.store
@@ -230,6 +230,6 @@ def test_stored_strings_are_cut_to_their_caps(tmp_path, clock):
     assert db.query("SELECT length(last_error) FROM tool_metrics") == [(12,)]
     [fb] = ms.feedback()
     assert (fb.id, len(fb.query), fb.recommended, len(fb.selected), len(fb.agent), len(fb.variant)) == (fid, 10, ["r" * 16, "x"], 16, 8, 16)
-    assert MetricsStore(Store(tmp_path / "d.db")).caps == StringCaps()  # defaults everywhere else
+    assert MetricsStore(open_store(tmp_path / "d.db")).caps == StringCaps()  # defaults everywhere else
     with pytest.raises(ValueError, match="StringCaps.query=0"):
         StringCaps(query=0)

@@ -18,7 +18,7 @@ from sidecar.core import models
 from sidecar.engine import Sidecar
 from sidecar.serve.learner import apply_learned, traffic_log
 from sidecar.replay import replay
-from sidecar.store.sqlite import open_store
+from sidecar.store import open_store
 from sidecar.learn.traffic import Example, log_examples, turns_of
 from sidecar.transcripts import read_transcripts
 

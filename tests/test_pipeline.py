@@ -15,9 +15,8 @@ import pytest
 from sidecar.core import catalog as catalog_mod
 from sidecar import config as config_mod
 from sidecar.core import models, pipeline
-from sidecar.core.index import ToolIndex
 from sidecar.core.pipeline import Request
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS, ROOT
 
 NOTES = CATALOGS / "notes.json"
@@ -26,7 +25,7 @@ MODELS = [models.DEFAULT_MODEL, models.SMALL_MODEL]
 
 def _pipeline(model: str, store_path, catalogs=(NOTES,)) -> pipeline.Pipeline:
     cfg = config_mod.load(env={}, overrides={("model", "name"): model, ("catalogs",): [str(c) for c in catalogs]})
-    return pipeline.from_config(cfg, store=Store(store_path), progress=False)
+    return pipeline.from_config(cfg, store=open_store(store_path), progress=False)
 
 
 @pytest.fixture(scope="session", params=MODELS)

@@ -19,7 +19,7 @@ from sidecar.core import calibration as calib
 from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar.core.embed import Embedder
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS, ROOT
 from tests.test_models import link_or_copy
 
@@ -163,7 +163,7 @@ def test_a_variant_takes_its_base_models_calibration():
 
 
 def test_variants_never_share_cached_vectors(model_dir, tmp_path):
-    store = Store(tmp_path / "s.db")
+    store = open_store(tmp_path / "s.db")
     pipes = {}
     for name in (MINILM, Q8):
         cfg = config_mod.load(env={}, overrides={("model", "name"): name, ("model", "dir"): str(model_dir),

@@ -20,7 +20,7 @@ from sidecar.store.metrics import Feedback, MetricsStore
 from sidecar.recommend import Context, Permissions, Recommender
 from sidecar.recommend import filters as F
 from sidecar.recommend import learn
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from sidecar.learn.traffic import Example, Learned
 from tests.conftest import CATALOGS, ROOT
 
@@ -31,7 +31,7 @@ T0 = 1_750_000_000.0
 
 def _pipeline(model: str, store_path, catalogs) -> pipeline.Pipeline:
     cfg = config_mod.load(env={}, overrides={("model", "name"): model, ("catalogs",): [str(c) for c in catalogs]})
-    return pipeline.from_config(cfg, store=Store(store_path), progress=False)
+    return pipeline.from_config(cfg, store=open_store(store_path), progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def clock():
 
 @pytest.fixture
 def metrics(tmp_path, clock):
-    return MetricsStore(Store(tmp_path / "metrics.db"), clock=clock)
+    return MetricsStore(open_store(tmp_path / "metrics.db"), clock=clock)
 
 
 def _names(rec):
@@ -314,7 +314,7 @@ def _cli(*args, store):
 
 def test_cli_recommend_json(tmp_path):
     store = tmp_path / "cli.db"
-    ms = MetricsStore(Store(store))
+    ms = MetricsStore(open_store(store))
     for i in range(5):  # an hour ago: a failing tool, not (any more) a failing server
         ms.record_call("filesystem", "edit_file", False, 50.0, "EIO", ts=time.time() - 3600 - i)
     out = _cli("recommend", "--catalog", str(FS), "--top", "40", "--mode", "hybrid",  # the default model
@@ -334,7 +334,7 @@ def test_cli_recommend_json(tmp_path):
 
 def test_cli_metrics_reads_what_the_store_recorded(tmp_path):
     store = tmp_path / "cli.db"
-    ms = MetricsStore(Store(store))
+    ms = MetricsStore(open_store(store))
     for i in range(4):
         ms.record_call("fs", "read_file", True, 10.0 * (i + 1))
         ms.record_call("fs", "write_file", False, 5.0, "EACCES")

@@ -19,7 +19,7 @@ from sidecar.core import models, pipeline
 from sidecar import replay
 from sidecar.config import ServerConfig
 from sidecar.serve.server import SidecarServer
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.conftest import CATALOGS, ROOT, engine_of
 
 NOTES = CATALOGS / "notes.json"
@@ -33,7 +33,7 @@ def _lines(*msgs: dict) -> str:
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory) -> pipeline.Pipeline:
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(NOTES)]})
-    return pipeline.from_config(cfg, store=Store(tmp_path_factory.mktemp("replay") / "s.db"), progress=False)
+    return pipeline.from_config(cfg, store=open_store(tmp_path_factory.mktemp("replay") / "s.db"), progress=False)
 
 
 @pytest.mark.parametrize("text", ["Let me search my notes.", "I'll call create_note now, ok?\n\nDone — 3.14 it's fine", "  spaced   out\ttext  ", "日本語のテキスト and more"])
@@ -142,7 +142,7 @@ def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
     dropped nothing, so the equality is exact rather than lucky."""
     limits = ServerConfig(port=0, span_words=10_000, stale_ms=600_000, shed_ms=600_000)
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")]})
-    pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
+    pipe = pipeline.from_config(cfg, store=open_store(tmp_path / "s.db"), progress=False)
     convs = replay.read_transcripts(TRANSCRIPTS, pipe.catalog)
     cfg = msgspec.structs.replace(cfg, server=limits)
     engine = engine_of(pipe, cfg)

@@ -13,7 +13,7 @@ from sidecar import config as config_mod
 from sidecar.core import models, pipeline
 from sidecar.learn import selffit
 from sidecar.core.calibration import Calibration, builtin
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 
 from .test_learned_classifier import HELD_BACK, INTENTS
 
@@ -45,7 +45,7 @@ def _catalog(tmp_path) -> str:
 
 def _pipe(tmp_path, keys: dict | None = None) -> pipeline.Pipeline:
     overrides = {("model", "name"): models.SMALL_MODEL, ("catalogs",): [_catalog(tmp_path)], **(keys or {})}
-    return pipeline.from_config(config_mod.load(env={}, overrides=overrides), store=Store(tmp_path / "s.db"), progress=False)
+    return pipeline.from_config(config_mod.load(env={}, overrides=overrides), store=open_store(tmp_path / "s.db"), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_a_catalog_without_own_cases_keeps_the_built_in_calibration(tmp_path):
     from .conftest import CATALOGS
 
     cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "notes.json")]})
-    pipe = pipeline.from_config(cfg, store=Store(tmp_path / "s.db"), progress=False)
+    pipe = pipeline.from_config(cfg, store=open_store(tmp_path / "s.db"), progress=False)
     assert pipe.own == {} and pipe.thresholds_in_force == (pipe.thresholds, "builtin")
 
 

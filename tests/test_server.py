@@ -33,7 +33,7 @@ from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
 from sidecar.serve.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from sidecar.core.stream import Segmenter
 
 from .conftest import CATALOGS, ROOT, engine_of, serve_process
@@ -600,7 +600,7 @@ def test_healthz_is_503_until_the_model_is_loaded_then_200(tmp_path):
     release = threading.Event()
 
     async def body():
-        server = SidecarServer(cfg, store=Store(tmp_path / "h.db"))
+        server = SidecarServer(cfg, store=open_store(tmp_path / "h.db"))
         server._worker.submit(release.wait)  # hold the model thread: loading waits behind it
         await server.start()
         try:

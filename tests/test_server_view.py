@@ -9,7 +9,7 @@ import numpy as np
 from sidecar.core import calibration, models, pipeline
 from sidecar import config as config_mod
 from sidecar.learn import learned
-from sidecar.store.sqlite import Store
+from sidecar.store import open_store
 from tests.test_actions import FILE_SERVERS, files  # noqa: F401  (the four file servers' pipeline, per model)
 
 
@@ -46,5 +46,5 @@ def test_the_pipeline_groups_tools_by_their_server(files, tmp_path):  # noqa: F8
     for s, mean in means.items():
         assert np.allclose(v.features[servers == s, column], mean - means[best], atol=1e-5)
     cfg = config_mod.load(env={}, overrides={("model", "name"): files.embedder.name, ("catalogs",): [str(FILE_SERVERS[0])]})
-    one = pipeline.from_config(cfg, store=Store(tmp_path / "sidecar.db"), progress=False, embedder=files.embedder)
+    one = pipeline.from_config(cfg, store=open_store(tmp_path / "sidecar.db"), progress=False, embedder=files.embedder)
     assert not one.views([pipeline.Request(text)], q)[0].features[:, column].any()

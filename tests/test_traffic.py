@@ -26,7 +26,7 @@ from sidecar.serve.learner import Learner
 from sidecar.lab.evaluate import read_labeled
 from sidecar.core.pipeline import Request
 from sidecar.serve.server import SidecarServer
-from sidecar.store.sqlite import open_store
+from sidecar.store import open_store
 from sidecar.learn.traffic import Example, TrafficFit, TrafficLog, Turns
 
 from .conftest import CATALOGS, ROOT

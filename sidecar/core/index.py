@@ -35,7 +35,7 @@ from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
 from ..learn.learned import Classifier, ClassifierFit, Examples
-from ..store.sqlite import Store, StoreBusy, text_key
+from ..store import Store, StoreBusy, text_key
 
 
 class IndexStats(msgspec.Struct):

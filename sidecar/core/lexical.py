@@ -27,7 +27,7 @@ import numpy as np
 import regex
 
 from .catalog import Catalog, Tool
-from ..store.sqlite import Store, StoreBusy
+from ..store import Store, StoreBusy
 
 _WORD = regex.compile(r"[\p{L}\p{N}]+")  # what a word is; "_" is not in it: snake_case splits
 _CAMEL = regex.compile(r"(?<=\p{Ll})(?=\p{Lu})")

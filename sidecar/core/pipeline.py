@@ -35,7 +35,7 @@ from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Kno
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from ..learn.selffit import OwnFit, own_fit
-from ..store.sqlite import Store, open_store
+from ..store import Store, open_store
 from ..learn.traffic import Learned
 
 SOURCES = ("user", "llm")

@@ -24,7 +24,7 @@ from ..core.gate import PathKind
 
 if TYPE_CHECKING:
     from ..engine import Sidecar
-    from ..store.sqlite import Store
+    from ..store import Store
 
 class Outcome(msgspec.Struct):
     """What a cutoff does on a labelled set, against the main model judging every text."""

@@ -21,7 +21,7 @@ from ..core.catalog import Catalog
 from ..config import Config
 from ..learn.learned import Ranker
 from ..core.pipeline import Pipeline, Request, from_config
-from ..store.sqlite import Store
+from ..store import Store
 from .evaluate import Labeled
 from .tune import GateScores, Objective, fit_gate
 

@@ -25,7 +25,7 @@ from ..core.index import embed_cached, wants_classifier
 from ..learn.learned import ADAPTER_HELD_VIEWS, FLOOR_SHARE, GATE_SCALARS, RANK_FEATURES, AdapterFit, Examples, Exemplars, GateHead, GateHeadFit, Known, Ranker, RankerFit, held_views, match, rank_features
 from ..core.lexical import LexicalIndex
 from ..core.pipeline import Pipeline, Request, Views, from_config
-from ..store.sqlite import Store
+from ..store import Store
 
 # Below these counts a fitted threshold is noise; the caller reports rather than fits.
 MIN_POSITIVES = 8

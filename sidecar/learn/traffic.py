@@ -35,7 +35,7 @@ from .learned import RankerFit, fit_logistic, held_views, logit
 if TYPE_CHECKING:
     from ..core.pipeline import Pipeline
     from ..transcripts import Conversation
-    from ..store.sqlite import Store
+    from ..store import Store
 
 
 # --- the examples --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar, open_history
 from ..store.metrics import key_of
-from ..store.sqlite import Store
+from ..store import Store
 from ..serve.telemetry import limit_blas_threads
 from . import meta
 from .calls import call_recorded, error, result

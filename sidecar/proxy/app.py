@@ -35,7 +35,7 @@ from ..config import Config
 from ..engine import Sidecar
 from ..serve.learner import Learner
 from ..mcp.config import McpConfig
-from ..store.sqlite import Store
+from ..store import Store
 from ..serve.telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
 from ..learn.traffic import Turn
 from ..serve.web import _hostname, _loopback

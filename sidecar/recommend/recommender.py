@@ -28,7 +28,7 @@ from ..config import RecommendConfig
 from ..core.lexical import LexicalIndex
 from ..store.metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
-from ..store.sqlite import StoreError
+from ..store import StoreError
 from . import filters as F
 from . import intent as I
 from . import scoring as S

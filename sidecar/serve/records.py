@@ -17,7 +17,7 @@ import msgspec
 from .. import protocol as p
 from ..store.metrics import Feedback, RefReused, key_of
 from .session import Session
-from ..store.sqlite import StoreBusy
+from ..store import StoreBusy
 
 if TYPE_CHECKING:
     from .server import Connection, SidecarServer

@@ -74,7 +74,7 @@ from .session import (
     judge,
     session_catalog,
 )
-from ..store.sqlite import Store
+from ..store import Store
 from .telemetry import Metrics, freeze_loaded_heap, limit_blas_threads, pin_mmap_threshold
 from .web import Web, peer
 

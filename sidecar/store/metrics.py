@@ -23,7 +23,7 @@ import msgspec
 import orjson
 
 from ..core.catalog import SEP, Catalog
-from .sqlite import Store
+from .base import Store
 
 DAY_S = 86400.0
 MAX_ERROR_CHARS = 500  # the default cap of a stored error (StringCaps.error)

@@ -30,7 +30,7 @@ from psycopg import errors
 from psycopg.adapt import Loader
 from psycopg.conninfo import conninfo_to_dict
 
-from .sqlite import BUSY_TIMEOUT_MS, SCHEMA, Store, StoreBusy, StoreError, Tx
+from .base import BUSY_TIMEOUT_MS, SCHEMA, Store, StoreBusy, StoreError, Tx
 
 T = TypeVar("T")
 
