@@ -1,7 +1,9 @@
-"""The layout's import direction: the runtime (engine, pipeline, gate, index, recommender,
-store, servers, MCP) never imports the lab (sidecar/lab: tune, eval, cascade fitting, plots),
-and the engine sits in no import circle. Read from the source's import statements, so an
-import hidden inside a function counts too; `if TYPE_CHECKING:` blocks do not (they never run)."""
+"""The layout's import direction (docs/architecture.md): the runtime never imports the lab
+(sidecar/lab: tune, eval, cascade fitting, plots); the layers below the engine (core, learn,
+store, recommend) never import an edge (serve, proxy, mcp, the CLI, replay, the client); no
+module is in an import circle; the package's top holds few modules, the rest in the folders
+of their layer. Read from the source's import statements, so an import hidden inside a
+function counts too; `if TYPE_CHECKING:` blocks do not (they never run)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import sys
 from .conftest import ROOT
 
 PACKAGE = ROOT / "sidecar"
-EDGES_INTO_LAB = {"sidecar.cli"}  # the CLI's lab commands (tune, eval, cascade) import it inside their functions
+EDGES_INTO_LAB = {"sidecar.cli"}
+BELOW_THE_EDGES = ("sidecar.core", "sidecar.learn", "sidecar.store", "sidecar.recommend", "sidecar.engine", "sidecar.config", "sidecar.protocol")
+EDGES = ("sidecar.serve", "sidecar.proxy", "sidecar.mcp", "sidecar.cli", "sidecar.replay", "sidecar.client", "sidecar.lab")
+MOST_AT_THE_TOP = 15  # modules directly in sidecar/, __init__ and __main__ included  # the CLI's lab commands (tune, eval, cascade) import it inside their functions
 
 
 def module_name(path) -> str:
@@ -103,3 +108,69 @@ def test_the_checks_see_a_lazy_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .lab import tune\ndef f():\n    from .lab import evaluate\n")
     assert [(m, top) for m, _, top in imports(probe, "sidecar.probe")] == [("sidecar.lab.evaluate", False)]
+
+
+def _within(module: str, roots: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
+def circles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in g:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_is_in_an_import_circle():
+    assert circles(graph()) == []
+
+
+def test_the_circle_check_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_layers_below_the_engine_never_import_an_edge():
+    wrong = []
+    for f in PACKAGE.rglob("*.py"):
+        me = module_name(f)
+        if not _within(me, BELOW_THE_EDGES):
+            continue
+        for mod, line, _ in imports(f):
+            if _within(mod, EDGES):
+                wrong.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
+    assert not wrong, "a lower layer imports an edge:\n" + "\n".join(wrong)
+
+
+def test_the_top_of_the_package_holds_few_modules():
+    top = sorted(f.name for f in PACKAGE.glob("*.py"))
+    assert len(top) <= MOST_AT_THE_TOP, top
