@@ -4,13 +4,16 @@
 Starts the server (all-minilm-l6-v2, notes.json, a fresh SQLite store in a temp dir,
 max_connections raised to fit), opens --connections websocket clients (in waves, retrying a
 503), and has each one, for --seconds, every --interval seconds on average (jittered) do one
-of: stream an LLM reply word by word, send a user turn, report a tool_result (some failed),
-send a feedback, ping; every client reads everything promptly. Meanwhile a probe client
+of: stream an LLM reply word by word, send a user turn (and, when the turn calls for a tool,
+the tool_result of the model's call, some failed, as a chat app reports it: learning from
+traffic, on by default, learns from these pairs), report the call again, send a feedback,
+ping; every client reads everything promptly. Meanwhile a probe client
 sends a user turn that calls for a tool every --probe-every seconds on a fresh stream and
 times, client side, send to `inject`.
 
 Reports (--json: one object): the probe's p50/p99/max injection latency and misses (no
-inject within --probe-timeout), the server's RSS over time (sampled from /proc), messages
+inject within --probe-timeout; `ended_no_inject`: those the server ended without an inject, judged
+silent or shed under load: /metrics' dropped evaluations say which), the server's RSS over time (sampled from /proc), messages
 and errors by kind, connections lost and their close codes, connect failures, and the
 dropped evaluations from /metrics. `memory` breaks RSS down every --sample-every seconds:
 anonymous and file-backed parts (/proc/PID/smaps_rollup), threads, and from /metrics what
@@ -59,13 +62,13 @@ REPLIES = [
     "Let me create a note with this meeting summary. That should cover everything you asked for.\n",
     "Nothing to look up here: the answer is forty two, as discussed before. ",
 ]
-TURNS = [
-    "Where did I put the kubernetes setup?",
-    "Please save this as a note for later.",
-    "What is the capital of France?",
-    "Thanks, that was helpful.",
-    "Can you find my notes about the quarterly planning meeting?",
-]
+TURNS = {  # a user turn, and the tool the model then calls (None: it answers without one)
+    "Where did I put the kubernetes setup?": "semantic_search",
+    "Please save this as a note for later.": "create_note",
+    "What is the capital of France?": None,
+    "Thanks, that was helpful.": None,
+    "Can you find my notes about the quarterly planning meeting?": "semantic_search",
+}
 TOOLS = ["create_note", "read_note", "semantic_search"]
 
 
@@ -180,6 +183,12 @@ async def reader(sc: SidecarClient, tally: Tally) -> None:
         tally.closes[str(code)] += 1
 
 
+async def result(sc, tool: str, rnd: random.Random, ref: str, tally: Tally) -> None:
+    ok = rnd.random() > 0.2
+    await sc.tool_result(tool, ok, rnd.uniform(5, 500), None if ok else "timeout", ref=ref)
+    tally.sent["tool_result"] += 1
+
+
 async def worker(i: int, url: str, stop: float, args, tally: Tally, rnd: random.Random) -> None:
     sc = None
     for attempt in range(20):
@@ -194,6 +203,7 @@ async def worker(i: int, url: str, stop: float, args, tally: Tally, rnd: random.
     tally.connected += 1
     reading = asyncio.create_task(reader(sc, tally))
     n = 0
+    called: str | None = None  # the tool the model called after this client's last user turn
     try:
         while time.monotonic() < stop and not reading.done():
             await asyncio.sleep(rnd.uniform(0.5, 1.5) * args.interval)
@@ -208,13 +218,15 @@ async def worker(i: int, url: str, stop: float, args, tally: Tally, rnd: random.
                     await asyncio.sleep(0.02)
                 await sc.end(stream)
                 tally.sent["reply"] += 1
-            elif roll < 0.65:
-                await sc.user(f"u{n}", rnd.choice(TURNS))
+            elif roll < 0.65:  # a user turn, and the call the model makes for it, as a chat app reports them
+                text = rnd.choice(list(TURNS))
+                await sc.user(f"u{n}", text)
                 tally.sent["user"] += 1
-            elif roll < 0.8:
-                ok = rnd.random() > 0.2
-                await sc.tool_result(rnd.choice(TOOLS), ok, rnd.uniform(5, 500), None if ok else "timeout", ref=f"t{n}")
-                tally.sent["tool_result"] += 1
+                called = TURNS[text]
+                if called is not None:
+                    await result(sc, called, rnd, f"t{n}", tally)
+            elif roll < 0.8 and called is not None:  # the model calls the turn's tool again
+                await result(sc, called, rnd, f"t{n}", tally)
             elif roll < 0.9:
                 await sc.feedback(rnd.choice(TOOLS), rating=float(rnd.randint(0, 5)), selected=True, query="notes", ref=f"f{n}")
                 tally.sent["feedback"] += 1
@@ -233,6 +245,7 @@ async def probe(url: str, stop: float, args) -> dict:
     latencies: list[float] = []
     server_ms: list[float] = []
     misses = 0
+    ended_no_inject = 0  # of the misses: ended with no inject (judged silent, or shed), not timed out
     async with await SidecarClient.connect(url, session="probe", wait_s=60) as sc:
         i = 0
         while time.monotonic() < stop:
@@ -249,6 +262,7 @@ async def probe(url: str, stop: float, args) -> dict:
                         got = time.perf_counter() - t0
                         server_ms.append(msg.latency_ms)
                     if isinstance(msg, p.Ended) and msg.stream == f"p{i}":
+                        ended_no_inject += got is None
                         break
             except TimeoutError:
                 pass
@@ -261,7 +275,7 @@ async def probe(url: str, stop: float, args) -> dict:
     def q(xs, f):
         return round(statistics.quantiles(xs, n=100, method="inclusive")[f - 1], 1) if len(xs) >= 2 else (round(xs[0], 1) if xs else None)
 
-    return {"probes": i, "injects": len(latencies), "misses": misses, "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
+    return {"probes": i, "injects": len(latencies), "misses": misses, "ended_no_inject": ended_no_inject, "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
             "max_ms": round(max(latencies), 1) if latencies else None, "server_p50_ms": q(server_ms, 50),
             "server_p99_ms": q(server_ms, 99)}  # fmt: skip
 
@@ -296,11 +310,13 @@ async def main(args) -> dict:
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 60)
         m = scrape(url)
         result["server"] = {
-            "dropped": {r: m.get(f'sidecar_dropped_evaluations_total{{reason="{r}"}}', 0) for r in ("superseded", "overflow", "stale")},
+            "dropped": {r: m.get(f'sidecar_dropped_evaluations_total{{reason="{r}"}}', 0) for r in ("superseded", "shed", "overflow", "stale")},
             "errors": {k.split('"')[1]: v for k, v in m.items() if k.startswith("sidecar_errors_total")},
             "injections": sum(v for k, v in m.items() if k.startswith("sidecar_injections_total")),
             "batches": m.get("sidecar_batch_size_count"),
             "cpu_s": m.get("process_cpu_seconds_total"),
+            "refits": {r: m.get(f'sidecar_refits_total{{outcome="{r}"}}', 0) for r in ("swapped", "kept")},
+            "traffic_examples": {r: m.get(f'sidecar_traffic_examples_total{{kind="{r}"}}', 0) for r in ("called", "silent")},
         }
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -265,6 +265,7 @@ class LearnConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_examples: int = 5000  # kept in the store, the oldest dropped first (about 1.6 KB each with nomic)
     session_share: float = 0.1  # of max_examples one connection may hold: no one client steers the lesson
     refit_every: int = 50  # new examples between refits (a refit is numpy, off the model thread)
+    refit_share: float = 0.1  # of the time refits may take: after one of T seconds, none for T * (1 / share - 1)
 
     def __post_init__(self) -> None:
         if not 20 <= self.max_examples <= 100_000:
@@ -273,6 +274,8 @@ class LearnConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"learn.session_share={self.session_share} must be within (0, 1]")
         if not 1 <= self.refit_every <= 100_000:
             raise ValueError(f"learn.refit_every={self.refit_every} must be within 1..100000")
+        if not 0 < self.refit_share <= 1:
+            raise ValueError(f"learn.refit_share={self.refit_share} must be within (0, 1]")
 
 
 class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -11,6 +11,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 
 import msgspec
 import numpy as np
@@ -27,7 +28,7 @@ from sidecar.lab.evaluate import read_labeled
 from sidecar.core.pipeline import Request
 from sidecar.serve.server import SidecarServer
 from sidecar.store import open_store
-from sidecar.learn.traffic import Example, TrafficFit, TrafficLog, Turns
+from sidecar.learn.traffic import Example, TrafficFit, TrafficLog, Turn, Turns
 
 from .conftest import CATALOGS, ROOT
 
@@ -238,3 +239,38 @@ def test_learn_reads_chat_logs_into_the_examples(tmp_path):
     assert fit["examples"] >= 44 and fit["calibration"]["recall"] is not None
     again = subprocess.run([sys.executable, "-m", "sidecar", "learn", *args, "--traffic"], capture_output=True, text=True, timeout=BOUND_S, cwd=ROOT)
     assert again.returncode == 0 and "turns followed by a call" in again.stdout and "out of fold" in again.stdout, again.stderr
+
+
+def test_learning_waits_on_one_thread_in_a_bounded_list_and_refits_at_its_pace(tmp_path):
+    """What keeps learning from starving serving (issue 50): the turns waiting to be written are
+    at most `max_examples` (the oldest dropped and counted), every write and refit runs on the
+    learner's one thread, and after a refit of T seconds a due refit waits T * (1 / share - 1)."""
+    engine = _engine(tmp_path / "s.db", [CATALOGS / "filesystem.json"])
+    texts = [f"read the file number {i}" for i in range(100)]
+    vectors = engine.pipeline.queries.embed(engine.pipeline.embedder, texts).vectors
+    learner = Learner(engine, LearnConfig(max_examples=20, session_share=1.0, refit_every=1000, refit_share=0.001))
+    threads: set[str] = set()
+    log_add = learner.log.add
+
+    def add(examples, now=None):
+        threads.add(threading.current_thread().name)
+        return log_add(examples, now)
+
+    learner.log.add = add
+
+    async def body():
+        learner.add([Turn(t, v, ["read_file"]) for t, v in zip(texts, vectors)], "one")  # a burst before the thread runs
+        await learner.drain()
+        first = learner.refit()
+        await first
+        learner.request()  # due at once, but the pace holds it back
+        held = learner._refitting is first and learner._due is not None and not learner._due.done()
+        await learner.drain()  # runs it now
+        return held, learner._refitting is not first
+
+    held, ran = asyncio.run(asyncio.wait_for(body(), BOUND_S))
+    learner.close()
+    assert learner.dropped == 80 and learner.log.count() == 20
+    assert [e.text for e in learner.log.examples()] == texts[80:]  # the newest kept
+    assert threads and all(n.startswith("sidecar-learn") for n in threads), threads
+    assert held and ran

@@ -584,7 +584,8 @@ class ProxyServer:
         if self.app is not None:
             if self.app.learner is not None:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.app.learner.drain(), self.cfg.server.shutdown_timeout_s)
+                    await asyncio.wait_for(self.app.learner.drain(due=False), self.cfg.server.shutdown_timeout_s)
+                self.app.learner.close()
             await self.app.aclose()
         if self.live is not None:
             self.live.close()

@@ -821,7 +821,8 @@ class SidecarServer:
         self._ws.close(close_connections=True)  # 1001 going away
         await self._ws.wait_closed()
         if self.learner is not None:
-            await asyncio.wait_for(self.learner.drain(), max(0.1, deadline - time.monotonic()))
+            await asyncio.wait_for(self.learner.drain(due=False), max(0.1, deadline - time.monotonic()))
+            self.learner.close()
         for t in self._tasks:
             t.cancel()
         for c in list(self.connections.values()):

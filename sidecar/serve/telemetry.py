@@ -55,6 +55,8 @@ class Metrics:
                                  registry=r)  # fmt: skip
         self.traffic = Counter("sidecar_traffic_examples", "User turns recorded to learn from: called (a tool followed) or silent (none did).",
                                ("kind",), registry=r)  # fmt: skip
+        self.traffic_dropped = Counter("sidecar_traffic_dropped", "User turns dropped before being recorded: learning was behind "
+                                       "by max_examples of them.", registry=r)  # fmt: skip
         self.refits = Counter("sidecar_refits", "Refits from traffic: swapped (the lesson is in use) or kept (it did not judge better).",
                               ("outcome",), registry=r)  # fmt: skip
         self.load = Gauge("sidecar_model_load_seconds", "Time to load the model and build the index.", registry=r)
