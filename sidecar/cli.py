@@ -99,10 +99,15 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    """`learn`; with `--traffic` (or `--reset-traffic`) and no catalog anywhere, the store's
+    traffic alone: the examples are kept by tool name, whatever catalog the server judged with."""
+    from .catalog import Catalog
     from .engine import Sidecar
     from .recommend import learn
 
     cfg = _config(args)
+    if (args.traffic or args.reset_traffic) and not args.logs and not cfg.catalogs:
+        return _learn_traffic(args, Sidecar.open(cfg, catalog=Catalog([]), progress=not args.quiet))
     engine = Sidecar.open(cfg, progress=not args.quiet)
     if args.traffic or args.reset_traffic or args.logs:
         return _learn_traffic(args, engine)
@@ -126,8 +131,10 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def _learn_traffic(args: argparse.Namespace, engine) -> int:
     """`learn --traffic`: the examples the server recorded (and those read from chat logs with
-    `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
-    from .learner import learn, traffic_log
+    `--from`), and what learning from them would do now; `--reset-traffic` forgets them. With
+    no catalog, the examples and the tools that go together: the lesson is fitted over a
+    catalog's tools, so what it would do is judged only with one."""
+    from .learner import learn, learn_sequences, traffic_log
     from .traffic import log_examples
     from .transcripts import read_transcripts
 
@@ -141,7 +148,11 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         if not args.json:
             print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
     summary = tlog.summary()
-    lesson, outcome = learn(engine, tlog)
+    if len(engine.catalog):
+        lesson, outcome = learn(engine, tlog)
+    else:
+        learn_sequences(engine, tlog)
+        lesson, outcome = None, None
     rules = [r for rs in engine.sequences.rules.values() for r in rs]
     if args.json:
         _print_json({"examples": summary, "fit": outcome, "in_use": lesson is not None,
@@ -153,6 +164,9 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         f"\n  {r.tool}: {r.why}" for r in sorted(rules, key=lambda r: -r.together)[:10]))  # fmt: skip
     for tool, n in list(summary["tools"].items())[:10]:
         print(f"  {n:5d}  {tool}")
+    if outcome is None:
+        print("no catalog given: what a refit would do is judged over a catalog's tools (add --catalog FILE to see it)")
+        return 0
     cal, got = outcome.calibration, outcome.learned
     if outcome.reason and lesson is None and math.isnan(cal.recall):
         print(f"nothing learned: {outcome.reason}")
