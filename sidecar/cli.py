@@ -92,7 +92,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return 0
     print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
     for i, r in enumerate(rec.results, 1):
-        print(f"{i:>2}. {r.tool}  relevance {r.score:.3f}\n    {r.why}")
+        print(f"{i:>2}. {r.tool}  relevance {r.relevance:.3f}  score {r.score:.3f}\n    {r.why}")
     for name, reason in list(rec.excluded.items())[:5]:
         print(f"    (left out {name}: {reason})")
     return 0
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
     p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
     p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default: the config's recommend.mode, semantic)")
-    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "why", "factors"}]}')
+    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "score", "why", "factors"}]}')
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 
