@@ -142,6 +142,22 @@ def test_cli_replay_prints_a_dash_where_there_is_nothing_to_score(tmp_path):
     assert figures["precision"] is None and figures["recall"] is None
 
 
+def test_replayed_triggers_are_the_text_that_fired_without_spaces_around_it(tmp_path):
+    """The imperative pattern's match ends on the space after its words ("show me "): the
+    trigger a user reads is stripped (issue 52), and still sits where it was in the message."""
+    turn = "show me my notes about the kubernetes setup"
+    path = tmp_path / "t.jsonl"
+    path.write_text(_lines(
+        {"conversation": "k8s", "role": "user", "content": turn},
+        {"conversation": "k8s", "role": "assistant", "content": "", "tool_calls": [{"name": "semantic_search", "arguments": {"query": "kubernetes"}}]},
+    ))  # fmt: skip
+    _replay_cli(tmp_path, path, "--out", str(tmp_path / "events.jsonl"))
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    [event] = [e for e in events if e["path"] == "high:imperative"]
+    assert event["trigger"] and event["trigger"] == event["trigger"].strip() and turn.startswith(event["trigger"]), event
+    assert all(e["trigger"] == e["trigger"].strip() for e in events), events
+
+
 def test_cli_replay_bad_transcript_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversation": "c", "role": "assistant", "content": "x", "tool_calls": [{"name": "nope"}]}\n')
