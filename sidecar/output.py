@@ -59,7 +59,7 @@ class Detected(msgspec.Struct):
     path: str
     probability: float | None  # None: blocked by a pattern, or no gate head (uncalibrated model)
     threshold: float | None  # what the probability had to reach on this path (no gate head: the best match)
-    tool: str | None  # the best tool of the gate's ranking
+    tool: str | None  # the tool the gate fired for (its ranking's best); None when silent: candidates[0] is the best
     match: float | None
     case: str | None
     candidates: list[ToolMatch]
@@ -74,10 +74,12 @@ class Detected(msgspec.Struct):
 
 
 def detected(d: Decision, injected: Sequence[Recommendation], model: str, thresholds: Thresholds, origin: str) -> Detected:
-    best = d.candidates[0] if d.candidates else None
+    """`detect --json`. A silent decision names no tool (nor its match and case): a reader
+    took "tool" beside "fired": false for a tool injected; the gate's best is candidates[0]."""
+    best = d.candidates[0] if d.candidates and d.fired else None
     return Detected(
-        fired=d.fired, tier=d.tier, path=d.path, probability=d.probability, threshold=d.threshold, tool=d.tool,
-        match=best.score if best is not None and best.tool == d.tool else None, case=d.case,
+        fired=d.fired, tier=d.tier, path=d.path, probability=d.probability, threshold=d.threshold, tool=d.tool if d.fired else None,
+        match=best.score if best is not None and best.tool == d.tool else None, case=d.case if d.fired else None,
         candidates=[ToolMatch(c.tool, c.score, c.case) for c in d.candidates],
         inject=[ToolRelevance(r.tool, r.relevance, r.why) for r in injected],
         source=d.source, trigger=d.trigger, truncated=d.truncated, timing_ms=d.timing_ms,

@@ -208,6 +208,16 @@ def test_cli_detect_relevance_moves_with_the_match(tmp_path):
     assert shown[clear] > shown[vague] + 0.1, shown
 
 
+def test_cli_detect_json_of_a_silent_decision_names_no_tool(tmp_path):
+    """The README's silent example: `--json` says fired false and names no tool (nor a match or
+    case for it), where it once named the gate's best as if injected (issue 52); the gate's
+    ranking still shows it first among the candidates."""
+    out = json.loads(_cli("detect", "--json", "--catalog", str(NOTES), "the search in our notes app is slow", tmp_path=tmp_path).stdout)
+    assert out["fired"] is False and out["tier"] is None and out["inject"] == []
+    assert out["tool"] is None and out["match"] is None and out["case"] is None, out
+    assert out["candidates"] and set(out["candidates"][0]) == {"tool", "match", "case"}
+
+
 def test_cli_detect_reads_stdin_and_default_model(tmp_path):
     run = _cli("detect", "--catalog", str(NOTES), tmp_path=tmp_path, stdin="let me search my notes for the kubernetes setup\n")
     assert run.returncode == 0, run.stderr
