@@ -93,17 +93,22 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         return 0
     print(f"{rec.mode} ranking of {rec.candidates} candidate(s){f', variant {rec.variant}' if rec.variant else ''}:")
     for i, r in enumerate(rec.results, 1):
-        print(f"{i:>2}. {r.tool}  relevance {r.score:.3f}\n    {r.why}")
+        print(f"{i:>2}. {r.tool}  relevance {r.relevance:.3f}  score {r.score:.3f}\n    {r.why}")
     for name, reason in list(rec.excluded.items())[:5]:
         print(f"    (left out {name}: {reason})")
     return 0
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    """`learn`; with `--traffic` (or `--reset-traffic`) and no catalog anywhere, the store's
+    traffic alone: the examples are kept by tool name, whatever catalog the server judged with."""
+    from .catalog import Catalog
     from .engine import Sidecar
     from .recommend import learn
 
     cfg = _config(args)
+    if (args.traffic or args.reset_traffic) and not args.logs and not cfg.catalogs:
+        return _learn_traffic(args, Sidecar.open(cfg, catalog=Catalog([]), progress=not args.quiet))
     engine = Sidecar.open(cfg, progress=not args.quiet)
     if args.traffic or args.reset_traffic or args.logs:
         return _learn_traffic(args, engine)
@@ -127,8 +132,10 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def _learn_traffic(args: argparse.Namespace, engine) -> int:
     """`learn --traffic`: the examples the server recorded (and those read from chat logs with
-    `--from`), and what learning from them would do now; `--reset-traffic` forgets them."""
-    from .serve.learner import learn, traffic_log
+    `--from`), and what learning from them would do now; `--reset-traffic` forgets them. With
+    no catalog, the examples and the tools that go together: the lesson is fitted over a
+    catalog's tools, so what it would do is judged only with one."""
+    from .serve.learner import learn, learn_sequences, traffic_log
     from .learn.traffic import log_examples
     from .transcripts import read_transcripts
 
@@ -142,7 +149,11 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         if not args.json:
             print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
     summary = tlog.summary()
-    lesson, outcome = learn(engine, tlog)
+    if len(engine.catalog):
+        lesson, outcome = learn(engine, tlog)
+    else:
+        learn_sequences(engine, tlog)
+        lesson, outcome = None, None
     rules = [r for rs in engine.sequences.rules.values() for r in rs]
     if args.json:
         _print_json({"examples": summary, "fit": outcome, "in_use": lesson is not None,
@@ -154,6 +165,9 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         f"\n  {r.tool}: {r.why}" for r in sorted(rules, key=lambda r: -r.together)[:10]))  # fmt: skip
     for tool, n in list(summary["tools"].items())[:10]:
         print(f"  {n:5d}  {tool}")
+    if outcome is None:
+        print("no catalog given: what a refit would do is judged over a catalog's tools (add --catalog FILE to see it)")
+        return 0
     cal, got = outcome.calibration, outcome.learned
     if outcome.reason and lesson is None and math.isnan(cal.recall):
         print(f"nothing learned: {outcome.reason}")
@@ -524,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", metavar="A", help="agent id: its A/B variant, its own success history")
     p.add_argument("--top", type=int, metavar="N", help="how many tools (default 5)")
     p.add_argument("--mode", choices=("semantic", "lexical", "hybrid"), help="retrieval (default: the config's recommend.mode, semantic)")
-    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "why", "factors"}]}')
+    p.add_argument("--json", action="store_true", help='print {"query", "results": [{"tool", "relevance", "score", "why", "factors"}]}')
     p.add_argument("query", nargs="*", help="the query (default: stdin)")
     p.set_defaults(func=cmd_recommend)
 

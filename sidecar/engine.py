@@ -167,7 +167,8 @@ class Sidecar:
         if self.sequences.rules:
             for j in out:
                 picks = j.picks(self.cfg.server.inject_margin, top)
-                j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors)) for r in picks for rule in self.sequences.around(r.tool)]
+                j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors, _relevance_of(j, rule.tool))) for r in picks
+                            for rule in self.sequences.around(r.tool)]  # fmt: skip
         return out
 
     def _rank_asks(self, requests: Sequence[Request], judged: list[Judgement], contexts: Sequence[Context] | None) -> None:
@@ -210,6 +211,13 @@ class Sidecar:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _relevance_of(j: Judgement, tool: str) -> float:
+    """A tool added for going with an injected one: its own relevance to the text where the
+    ranking has it, else 0 (the text did not ask for it; its `why` says what did)."""
+    ranked = j.ranked.results if j.ranked is not None else ()
+    return next((r.relevance for r in ranked if r.tool == tool), 0.0)
 
 
 def _add_time(to: Timing, extra: Timing) -> None:

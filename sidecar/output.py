@@ -2,13 +2,17 @@
 each under one name wherever it is shown (the CLI, the client, the page, the protocol):
 
 - **probability**: the gate's P(this text needs a tool), which the thresholds compare;
-- **relevance**: a tool's score in the recommender's ranking, which picks the injected tools;
+- **relevance**: the probability that a tool is the one the text asks for, among the catalog's
+  (the fitted ranker's softmax, `recommend.recommender.fit_probability`); the recommender
+  orders and picks the injected tools by its *score*, which adds call history to it;
 - **match**: a tool's score in the gate's own ranking (the ranker's blend of its views of
   the text: cosines and BM25), which decides nothing with a gate head, and is what the
   thresholds compare without one (an uncalibrated model).
 
 A newcomer who saw "0.994" from `detect`, "0.85" on an inject and "scored 0.000 … next 0.340"
-on a silent line could not tell which was which; here each says what it is.
+on a silent line could not tell which was which; here each says what it is. The best tool's
+score with no call history is the same whatever the text (0.85 with the default weights), so
+it is not what is shown as relevance (issue 52).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class RecommendedTool(msgspec.Struct):
 
     tool: str
     relevance: float
+    score: float  # what the ranking is ordered by
     why: str
     factors: Factors  # what the relevance is made of (each in 0..1)
 
@@ -54,7 +59,7 @@ class Detected(msgspec.Struct):
     path: str
     probability: float | None  # None: blocked by a pattern, or no gate head (uncalibrated model)
     threshold: float | None  # what the probability had to reach on this path (no gate head: the best match)
-    tool: str | None  # the best tool of the gate's ranking
+    tool: str | None  # the tool the gate fired for (its ranking's best); None when silent: candidates[0] is the best
     match: float | None
     case: str | None
     candidates: list[ToolMatch]
@@ -69,19 +74,21 @@ class Detected(msgspec.Struct):
 
 
 def detected(d: Decision, injected: Sequence[Recommendation], model: str, thresholds: Thresholds, origin: str) -> Detected:
-    best = d.candidates[0] if d.candidates else None
+    """`detect --json`. A silent decision names no tool (nor its match and case): a reader
+    took "tool" beside "fired": false for a tool injected; the gate's best is candidates[0]."""
+    best = d.candidates[0] if d.candidates and d.fired else None
     return Detected(
-        fired=d.fired, tier=d.tier, path=d.path, probability=d.probability, threshold=d.threshold, tool=d.tool,
-        match=best.score if best is not None and best.tool == d.tool else None, case=d.case,
+        fired=d.fired, tier=d.tier, path=d.path, probability=d.probability, threshold=d.threshold, tool=d.tool if d.fired else None,
+        match=best.score if best is not None and best.tool == d.tool else None, case=d.case if d.fired else None,
         candidates=[ToolMatch(c.tool, c.score, c.case) for c in d.candidates],
-        inject=[ToolRelevance(r.tool, r.score, r.why) for r in injected],
+        inject=[ToolRelevance(r.tool, r.relevance, r.why) for r in injected],
         source=d.source, trigger=d.trigger, truncated=d.truncated, timing_ms=d.timing_ms,
         model=model, thresholds=thresholds, thresholds_origin=origin,
     )  # fmt: skip
 
 
 def recommended(results: Sequence[Recommendation]) -> list[RecommendedTool]:
-    return [RecommendedTool(r.tool, r.score, r.why, r.factors) for r in results]
+    return [RecommendedTool(r.tool, r.relevance, r.score, r.why, r.factors) for r in results]
 
 
 def describe(d: Decision, injected: Sequence[Recommendation] = ()) -> str:
@@ -99,7 +106,7 @@ def describe(d: Decision, injected: Sequence[Recommendation] = ()) -> str:
     else:
         gate = f"match {d.score:.3f} of {d.tool} (no gate head: the thresholds compare the best match)"
     if d.fired:
-        tools = ", ".join(f"{r.tool} (relevance {r.score:.2f})" for r in injected) or d.tool
+        tools = ", ".join(f"{r.tool} (relevance {r.relevance:.2f})" for r in injected) or d.tool
         head = f"{d.tier}: inject {tools}\n  {gate}, >= {d.threshold:.2f} via {d.path}; best match {d.case!r}"
     else:
         below = f"below {d.threshold:.2f}" if d.score is not None and d.score < (d.threshold or 0) else "below the confirm tier"

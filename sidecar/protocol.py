@@ -156,7 +156,7 @@ class Ready(msgspec.Struct, tag="ready", tag_field="type", kw_only=True):
 
 class InjectedTool(msgspec.Struct):
     definition: dict[str, Any]  # the full MCP tool definition, as tools/list gives it
-    relevance: float  # the recommender's score of the tool for the span (best first): not a probability
+    relevance: float  # P(this is the tool the span asks for, among the catalog's): the tools come best first by the recommender's score
     why: str
 
 

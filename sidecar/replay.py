@@ -11,6 +11,7 @@ turn is answered by the tool calls of the next assistant message.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -300,13 +301,21 @@ def _ratio(n: int, d: int) -> float:
 
 
 def describe(s: Summary) -> str:
+    """The summary as text; a figure with nothing to score (no tool injected: no precision; no
+    tool called: no recall) reads "–", not "nan"."""
     lines = [
         f"{s.conversations} conversations, {s.messages} messages, {s.injections} tools injected",
-        f"precision {s.precision:.3f}  recall {s.recall:.3f}  exact set {s.exact_set:.3f}  false fires {s.false_fires}",
-        f"lead time: chars p50 {s.lead_time_chars.get('p50', float('nan')):.0f} p90 {s.lead_time_chars.get('p90', float('nan')):.0f}; "
-        f"tokens p50 {s.lead_time_tokens.get('p50', float('nan')):.0f} p90 {s.lead_time_tokens.get('p90', float('nan')):.0f}",
-    ]
+        f"precision {_shown(s.precision, '.3f')}  recall {_shown(s.recall, '.3f')}  exact set {_shown(s.exact_set, '.3f')}  "
+        f"false fires {s.false_fires}",
+        f"lead time: chars p50 {_shown(s.lead_time_chars.get('p50'), '.0f')} p90 {_shown(s.lead_time_chars.get('p90'), '.0f')}; "
+        f"tokens p50 {_shown(s.lead_time_tokens.get('p50'), '.0f')} p90 {_shown(s.lead_time_tokens.get('p90'), '.0f')}",
+    ]  # fmt: skip
     for cid, f in s.per_conversation.items():
-        lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {f['precision']:.2f}, "
-                     f"recall {f['recall']:.2f}, exact set {f['exact_set']:.2f}, false fires {f['false_fires']:.0f}")  # fmt: skip
+        lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {_shown(f['precision'], '.2f')}, "
+                     f"recall {_shown(f['recall'], '.2f')}, exact set {_shown(f['exact_set'], '.2f')}, false fires {f['false_fires']:.0f}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _shown(value: float | None, spec: str) -> str:
+    """A figure as text, "–" where there was nothing to score."""
+    return "–" if value is None or math.isnan(value) else format(value, spec)

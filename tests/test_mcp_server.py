@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -199,6 +200,21 @@ def test_savings_of_a_catalog_file_without_servers():
     assert s["all_tools"]["tools"] == 605 and s["exposed"]["tools"] == 3
     assert s["exposed"]["tokens"] == s["meta_tools_tokens"] and s["saved_fraction"] > 0.99
     assert s["break_even_find_calls"] > 1
+
+
+def test_the_savings_line_of_a_find_tool_answer_adds_up():
+    """`one find_tool answer: ~N tokens (n x mean ...)`: n x mean is N, and n is find_tool's
+    limit, or every tool when a catalog has fewer (issue 52: 2 tools printed "529 (5 x 264)")."""
+    for name in ("time.json", "notes.json"):
+        done = subprocess.run([sys.executable, "-m", "sidecar", "mcp", "--savings", "--catalog", str(CATALOGS / name)],
+                              check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        line = next(ln for ln in done.stdout.splitlines() if ln.startswith("one find_tool answer:"))
+        total, n, mean = re.search(r"~\s*([\d,]+) tokens\s+\((\d+) x ([\d.]+), the mean schema", line).groups()
+        assert round(int(n) * float(mean)) == int(total.replace(",", "")), line
+        figures = savings("--catalog", str(CATALOGS / name))
+        assert int(n) == min(figures["find_tool_limit"], figures["all_tools"]["tools"]) == figures["find_tool_answer_tools"], line
+        assert figures["find_tool_answer_tokens"] == int(total.replace(",", ""))
 
 
 def test_savings_name_the_servers_they_could_not_count(tmp_path):

@@ -187,6 +187,36 @@ def test_cli_detect_json(tmp_path):
     assert out["timing_ms"]["total"] > 0
 
 
+def test_cli_detect_relevance_moves_with_the_match(tmp_path):
+    """The relevance shown on an inject follows how clearly the text matches its tool: a text
+    whose best match stands far above the rest shows a higher one than a text whose best match
+    barely leads, each within 0..1 (issue 52: every inject showed 0.85, the best tool's score
+    with no call history)."""
+    clear, vague = "let me search my notes for the kubernetes setup", "find my note about the kubernetes cluster setup"
+    shown, lead = {}, {}
+    for text in (clear, vague):
+        out = json.loads(_cli("detect", "--json", "--catalog", str(NOTES), text, tmp_path=tmp_path).stdout)
+        assert out["fired"] and out["inject"], out
+        first, second = out["candidates"][:2]
+        lead[text] = first["match"] - second["match"]  # the gate's ranking: how far the best stands out
+        line = _cli("detect", "--catalog", str(NOTES), text, tmp_path=tmp_path).stdout.splitlines()[0]
+        shown[text] = float(line.split("(relevance ")[1].split(")")[0])
+        assert shown[text] == round(out["inject"][0]["relevance"], 2), line
+        assert 0 < shown[text] <= 1
+    assert lead[clear] > lead[vague] + 0.1, lead  # the texts do differ in match quality
+    assert shown[clear] > shown[vague] + 0.1, shown
+
+
+def test_cli_detect_json_of_a_silent_decision_names_no_tool(tmp_path):
+    """The README's silent example: `--json` says fired false and names no tool (nor a match or
+    case for it), where it once named the gate's best as if injected (issue 52); the gate's
+    ranking still shows it first among the candidates."""
+    out = json.loads(_cli("detect", "--json", "--catalog", str(NOTES), "the search in our notes app is slow", tmp_path=tmp_path).stdout)
+    assert out["fired"] is False and out["tier"] is None and out["inject"] == []
+    assert out["tool"] is None and out["match"] is None and out["case"] is None, out
+    assert out["candidates"] and set(out["candidates"][0]) == {"tool", "match", "case"}
+
+
 def test_cli_detect_reads_stdin_and_default_model(tmp_path):
     run = _cli("detect", "--catalog", str(NOTES), tmp_path=tmp_path, stdin="let me search my notes for the kubernetes setup\n")
     assert run.returncode == 0, run.stderr

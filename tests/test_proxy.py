@@ -183,6 +183,40 @@ def test_concurrent_streams_each_get_their_tools_and_their_answer(tmp_path):
     run(body(), timeout=180)
 
 
+def scraped(text: str) -> dict[str, float]:
+    """A /metrics page's samples by name (labels left off: the ones read here have none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
+
+
+def test_metrics_count_each_request_once(tmp_path):
+    """/metrics after three requests (streamed and not, with tools added and without) says
+    three requests, and as many schema tokens sent and saved as the upstream really received."""
+    from sidecar.mcp.savings import count_tokens
+
+    async def body():
+        with Upstream([Scripted(text="Fine.")]) as up:
+            async with proxying(tmp_path, up.url, {"time": TIME}) as server:
+                c = client(server)
+                await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": TOKYO}])
+                stream = await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": TOKYO}], stream=True)
+                [_ async for _ in stream]
+                await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}])
+                async with httpx2.AsyncClient() as http:
+                    metrics = scraped((await http.get(server.url + "/metrics")).text)
+                added = [r.body.get("tools") or [] for r in up.chats]
+                assert [bool(tools) for tools in added] == [True, True, False], [r.tool_names for r in up.chats]
+                sent = [count_tokens(json.dumps(tools, separators=(",", ":"), ensure_ascii=False)) if tools else 0 for tools in added]
+                every = metrics["sidecar_proxy_catalog_schema_tokens"]
+                assert metrics["sidecar_proxy_tools_added_count"] == 3
+                assert metrics["sidecar_proxy_tools_added_sum"] == sum(len(tools) for tools in added)
+                assert metrics["sidecar_proxy_schema_tokens_sent_total"] == sum(sent)
+                assert metrics["sidecar_proxy_schema_tokens_saved_total"] == sum(every - n for n in sent)
+
+    run(body(), timeout=180)
+
+
 def test_a_short_follow_up_is_judged_with_the_turn_before_it(tmp_path):
     follow_up = "And in Paris?"
 

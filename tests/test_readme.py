@@ -11,6 +11,7 @@ walk's server."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -158,3 +159,36 @@ def test_every_readme_command_runs_as_written(tmp_path):
                 made.unlink()
     print("\nran:\n  " + "\n  ".join(ran) + "\nskipped:\n  " + "\n  ".join(skips))
     assert len(ran) >= 8, ran
+
+
+def inline_commands(text: str) -> list[str]:
+    """The `sidecar ...` spans of the README's prose (inline code, outside the ```sh blocks)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.findall(r"`(sidecar [^`]+)`", prose)
+
+
+def test_the_readmes_learn_traffic_line_runs_as_written(tmp_path):
+    """`sidecar learn --traffic`, as the README's prose writes it (no catalog), shows what the
+    store learned from a chat log read with `learn --from`: the same turns and tools."""
+    [line] = [c for c in inline_commands(README.read_text()) if c.startswith("sidecar learn --traffic")]
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    for key in ("SIDECAR_STORE", "SIDECAR_CONFIG", "SIDECAR_CALIBRATION"):
+        env.pop(key, None)
+
+    def sidecar(words: list[str]) -> str:
+        run = argv(Command(0, tuple(words)))
+        done = subprocess.run([*run, "-q"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=COMMAND_TIMEOUT_S)
+        assert done.returncode == 0, f"{shlex.join(words)}\nexited {done.returncode}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    empty = sidecar(shlex.split(line))
+    assert "0 turns followed by a call, 0 by none" in empty, empty
+    read = sidecar(["sidecar", "learn", "--from", "fixtures/transcripts/notes/chats.json", "--catalog", "fixtures/catalogs/notes.json", "--json"])
+    learned = json.loads(read)["examples"]
+    assert learned["called"] > 0 and learned["tools"], learned
+    shown = sidecar(shlex.split(line))
+    assert f"{learned['called']} turns followed by a call, {learned['silent']} by none" in shown, shown
+    listed = {tool: int(n) for n, tool in re.findall(r"^\s+(\d+)\s+(\S+)$", shown, flags=re.M)}
+    assert listed == learned["tools"], shown
+    assert "--catalog" in shown, "it says how to see what a refit would do"
+

@@ -323,13 +323,14 @@ def test_cli_recommend_json(tmp_path):
     doc = json.loads(out.stdout)
     assert set(doc) == {"query", "results"} and doc["query"] == "write these lines to a new file"
     assert len(doc["results"]) == len(catalog_mod.load([FS]))  # every tool, so the failing one is there to check
-    assert all(set(r) == {"tool", "relevance", "why", "factors"} for r in doc["results"])
-    assert [r["relevance"] for r in doc["results"]] == sorted((r["relevance"] for r in doc["results"]), reverse=True)
+    assert all(set(r) == {"tool", "relevance", "score", "why", "factors"} for r in doc["results"])
+    assert [r["score"] for r in doc["results"]] == sorted((r["score"] for r in doc["results"]), reverse=True)
+    assert all(0 <= r["relevance"] <= 1 for r in doc["results"]) and 0.99 < sum(r["relevance"] for r in doc["results"]) <= 1.0001  # every tool's
     assert doc["results"][0]["tool"] == "write_file"  # edit_file's failures demoted it
     edit = next(r for r in doc["results"] if r["tool"] == "edit_file")
     assert edit["factors"]["success"] == 0.0
     human = _cli("recommend", "--catalog", str(FS), "--model", models.SMALL_MODEL, "save a text file", store=store)
-    assert human.returncode == 0 and re.search(r"^ *\d+\. write_file  relevance [01]\.\d{3}$", human.stdout, re.M), human.stdout
+    assert human.returncode == 0 and re.search(r"^ *\d+\. write_file  relevance [01]\.\d{3}  score [01]\.\d{3}$", human.stdout, re.M), human.stdout
 
 
 def test_cli_metrics_reads_what_the_store_recorded(tmp_path):

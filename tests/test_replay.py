@@ -119,6 +119,46 @@ def test_cli_replay_json_and_events(tmp_path):
     assert all(e["conversation"] in convs and e["tier"] in ("auto", "confirm") for e in events)
 
 
+def _replay_cli(tmp_path, transcript, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SIDECAR_STORE": str(tmp_path / "cli.db")}
+    run = subprocess.run([sys.executable, "-m", "sidecar", "replay", str(transcript), "--catalog", str(NOTES), "--model", models.SMALL_MODEL,
+                          "-q", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def test_cli_replay_prints_a_dash_where_there_is_nothing_to_score(tmp_path):
+    """A conversation where nothing was injected and no tool called has no precision, recall
+    or exact set: its line says "–", never "nan" (issue 52); the JSON says null."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(_lines(
+        {"conversation": "chat", "role": "user", "content": "what a lovely morning it is today"},
+        {"conversation": "chat", "role": "assistant", "content": "It is! Enjoy the sunshine."},
+    ))  # fmt: skip
+    text = _replay_cli(tmp_path, path).stdout
+    assert "nan" not in text, text
+    [line] = [ln for ln in text.splitlines() if ln.strip().startswith("chat:")]
+    assert "0 injected, precision –, recall –, exact set –" in line, line
+    figures = json.loads(_replay_cli(tmp_path, path, "--json").stdout)["per_conversation"]["chat"]
+    assert figures["precision"] is None and figures["recall"] is None
+
+
+def test_replayed_triggers_are_the_text_that_fired_without_spaces_around_it(tmp_path):
+    """The imperative pattern's match ends on the space after its words ("show me "): the
+    trigger a user reads is stripped (issue 52), and still sits where it was in the message."""
+    turn = "show me my notes about the kubernetes setup"
+    path = tmp_path / "t.jsonl"
+    path.write_text(_lines(
+        {"conversation": "k8s", "role": "user", "content": turn},
+        {"conversation": "k8s", "role": "assistant", "content": "", "tool_calls": [{"name": "semantic_search", "arguments": {"query": "kubernetes"}}]},
+    ))  # fmt: skip
+    _replay_cli(tmp_path, path, "--out", str(tmp_path / "events.jsonl"))
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    [event] = [e for e in events if e["path"] == "high:imperative"]
+    assert event["trigger"] and event["trigger"] == event["trigger"].strip() and turn.startswith(event["trigger"]), event
+    assert all(e["trigger"] == e["trigger"].strip() for e in events), events
+
+
 def test_cli_replay_bad_transcript_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversation": "c", "role": "assistant", "content": "x", "tool_calls": [{"name": "nope"}]}\n')

@@ -160,7 +160,7 @@ def test_a_reply_streamed_character_by_character_gets_its_inject_before_end(pipe
             assert inj.stream == "r1" and inj.tier in ("auto", "confirm")
             best = inj.tools[0]
             assert best.definition == pipe.catalog.get("semantic_search").definition()
-            assert 0.0 < best.relevance <= 1.0 and best.why  # the recommender's score ...
+            assert 0.0 < best.relevance <= 1.0 and best.why  # the tool's probability of being the one asked for ...
             assert 0.0 <= inj.probability <= 1.0  # ... beside the gate's probability
             t = inj.trigger
             assert t.path.startswith("high:")
@@ -269,7 +269,7 @@ def test_inject_tools_are_the_recommenders_within_the_hello_permissions(small):
                 [inj] = [m for m in msgs if isinstance(m, p.Inject)]
                 ranked = srv.engine.recommender.recommend(SEARCH, Context(source="user"), top=srv.limits.max_inject_tools).results
                 close = [r for r in ranked if r.score >= ranked[0].score - srv.limits.inject_margin]
-                assert [(t.definition["name"], t.relevance, t.why) for t in inj.tools] == [(r.tool, r.score, r.why) for r in close]
+                assert [(t.definition["name"], t.relevance, t.why) for t in inj.tools] == [(r.tool, r.relevance, r.why) for r in close]
                 assert (inj.tier, inj.probability) == (msgs[-1].tier, msgs[-1].probability)  # the gate's
             async with await SidecarClient.connect(srv.url, session="perm", permissions=["*_note"], decisions=True) as sc:
                 await sc.user("u", SEARCH)

@@ -93,6 +93,15 @@ class Trigger(msgspec.Struct, frozen=True):
     end: int
 
 
+def trimmed(text: str, start: int, end: int) -> Trigger:
+    """A trigger without whitespace at its ends, its offsets moved with its text: a pattern's
+    match can end on the space after its words (imperative: "show me ") and a span on the
+    space before the next, which a user then reads as part of what fired."""
+    lead = len(text) - len(text.lstrip())
+    body = text.strip()
+    return Trigger(body, start + lead, start + lead + len(body))
+
+
 class Timing(msgspec.Struct):
     regex: float = 0.0
     embed: float = 0.0
@@ -186,7 +195,7 @@ def decide(text: str, source: str, route: Route, candidates: list[Candidate], t:
     """Decide from the route and the ranked candidates (best first). With `confidence` (the
     gate head's probability that the text needs a tool) the thresholds compare that instead
     of the best candidate's score."""
-    trigger = Trigger(route.match.text, route.match.start, route.match.end) if route.match else None
+    trigger = trimmed(route.match.text, route.match.start, route.match.end) if route.match else None
     if route.blocked:
         return Decision(False, None, route.path, None, None, None, None, candidates, timing, source, trigger)
     if not candidates:
@@ -196,6 +205,6 @@ def decide(text: str, source: str, route: Route, candidates: list[Candidate], t:
     threshold = t.path_threshold(route.kind, best.tool)
     tier = tier_of(score, t) if fires([route.kind], np.array([score]), t, [best.tool])[0] else None
     if trigger is None:
-        trigger = Trigger(text, 0, len(text))
+        trigger = trimmed(text, 0, len(text))
     return Decision(tier is not None, tier, route.path, best.tool, score, best.case, threshold, candidates, timing, source, trigger,
                     probability=None if confidence is None else score)  # fmt: skip

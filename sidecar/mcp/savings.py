@@ -8,8 +8,9 @@ prompt format adds some framing per tool, so treat the figures as the schemas' s
 bill; the ratio holds either way.
 
 The saving is not free: every find_tool answer puts about `limit` definitions back into the
-context. `find_tool_answer_tokens` estimates one answer (`limit` times the mean schema) and
-`break_even_find_calls` how many answers it takes to spend the saving.
+context. `find_tool_answer_tokens` estimates one answer (`limit` times the mean schema, or
+every tool when there are fewer) and `break_even_find_calls` how many answers it takes to
+spend the saving.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Savings(msgspec.Struct):
     saved_fraction: float
     mean_tool_tokens: float  # one schema, on average
     find_tool_limit: int
-    find_tool_answer_tokens: int  # about: one find_tool answer of `find_tool_limit` definitions
+    find_tool_answer_tools: int  # definitions in one answer: find_tool_limit, or every tool when there are fewer
+    find_tool_answer_tokens: int  # about: one find_tool answer, find_tool_answer_tools x mean_tool_tokens
     break_even_find_calls: float | None  # find_tool answers that would spend the saving
     sources: list[str] = []  # the servers (or files) counted
     unreachable: dict[str, str] = {}  # servers that could not be listed: not counted
@@ -83,13 +85,14 @@ def measure(
     """Tokens of `every` tool schema versus the `exposed` list (meta-tools + keep_tools)."""
     whole, shown = _side(every), _side(exposed)
     each = [count_tokens(orjson.dumps(d).decode()) for d in every]
-    mean = sum(each) / len(each) if each else 0.0
-    answer = round(mean * min(limit, len(each)))
+    mean = round(sum(each) / len(each), 1) if each else 0.0
+    per_answer = min(limit, len(each))
+    answer = round(mean * per_answer)  # of the mean as printed, so the line's product is its total
     saved = whole.tokens - shown.tokens
     return Savings(
         tokenizer=TOKENIZER, all_tools=whole, exposed=shown, meta_tools_tokens=_side(META_TOOLS).tokens,
         saved_tokens=saved, saved_fraction=round(saved / whole.tokens, 4) if whole.tokens else 0.0,
-        mean_tool_tokens=round(mean, 1), find_tool_limit=limit, find_tool_answer_tokens=answer,
+        mean_tool_tokens=mean, find_tool_limit=limit, find_tool_answer_tools=per_answer, find_tool_answer_tokens=answer,
         break_even_find_calls=round(saved / answer, 1) if answer and saved > 0 else None,
         sources=list(sources), unreachable=dict(unreachable or {}),
     )  # fmt: skip
@@ -101,7 +104,7 @@ def describe(s: Savings) -> str:
         f"all tool schemas:        {s.all_tools.tokens:>8,} tokens  ({s.all_tools.tools} tools, {s.all_tools.bytes:,} bytes of tools/list JSON)",
         f"meta-tools + keep_tools: {s.exposed.tokens:>8,} tokens  (the {len(META_TOOLS)} meta-tools: {s.meta_tools_tokens}, {kept} keep_tools)",
         f"saved:                   {s.saved_tokens:>8,} tokens  ({s.saved_fraction:.1%}) per request that carries the tool list",
-        f"one find_tool answer:   ~{s.find_tool_answer_tokens:>8,} tokens  ({s.find_tool_limit} x {s.mean_tool_tokens:.0f}, the mean schema)"
+        f"one find_tool answer:   ~{s.find_tool_answer_tokens:>8,} tokens  ({_answer_size(s)})"
         + (f"; {s.break_even_find_calls:g} answers in one context spend the saving" if s.break_even_find_calls else ""),
         f"tokenizer: {s.tokenizer}",
     ]
@@ -110,3 +113,11 @@ def describe(s: Savings) -> str:
     for name, err in s.unreachable.items():
         lines.append(f"not counted: {name} ({err})")
     return "\n".join(lines)
+
+
+def _answer_size(s: Savings) -> str:
+    """What one find_tool answer's tokens are made of, so the line's arithmetic holds: an answer
+    holds every tool when there are fewer than the limit (2 tools: 2 x 264.5, not 5 x 264)."""
+    n = s.find_tool_answer_tools
+    fewer = f": {n} tools, under find_tool's limit of {s.find_tool_limit}" if n < s.find_tool_limit else ""
+    return f"{n} x {s.mean_tool_tokens:g}, the mean schema{fewer}"

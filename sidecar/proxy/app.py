@@ -172,7 +172,6 @@ class Proxy:
             log.exception("judging a request failed; forwarding it without tools")
             offer = Offer()
         self.metrics.gate.observe(time.perf_counter() - t0)
-        await self._count(offer)
         upstream = shapes.with_tools(body, offer.tools)
         forwarded = self._forwarded(headers)
         try:

@@ -26,6 +26,7 @@ import numpy as np
 from ..core.catalog import Catalog, Tool
 from ..config import RecommendConfig
 from ..core.lexical import LexicalIndex
+from ..learn.learned import TEMPERATURE
 from ..store.metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
 from ..store import StoreError
@@ -57,10 +58,16 @@ class Factors(msgspec.Struct):
 
 
 class Recommendation(msgspec.Struct):
+    """One ranked tool. `score` orders the ranking (relevance factor and history, weighted);
+    `relevance` is what a user is shown: the probability that this is the tool the text asks
+    for among the catalog's (`fit_probability`), which moves with the match where the score of
+    the best tool with no history is the same whatever the text."""
+
     tool: str
     score: float
     why: str
     factors: Factors
+    relevance: float = 0.0
 
 
 class Recommendations(msgspec.Struct):
@@ -269,7 +276,7 @@ class Recommender:
         for score, i, values, info in results[:top]:
             f = Factors(*(round(v, 4) for v in values), semantic=info["semantic"], lexical=info["lexical"],
                         intent=round(info["adj"].multiplier, 4), calls=info["calls"])  # fmt: skip
-            out.append(Recommendation(state.names[i], round(score, 4), _why(f, info, w, self.cfg), f))
+            out.append(Recommendation(state.names[i], round(score, 4), _why(f, info, w, self.cfg), f, round(info["probability"], 4)))
         return Recommendations(query, out, mode, candidates=len(rows), excluded=scored["excluded"])
 
     def _score(self, state: _State, query: str, ctx: F.Context, mode: str, generation: int | None, now: float,
@@ -329,6 +336,7 @@ class Recommender:
             relevance = np.clip((adjusted - floor) / (best - floor), 0.0, 1.0)
         else:  # nothing stands out (e.g. no BM25 match at all): relevance cannot separate them
             relevance = np.full(len(cand), 1.0 if best > 0 else 0.0)
+        probability = fit_probability(base, cand, adjusted)
         said = _surface(I.words(query))
         hist = self._history_for(ctx.agent)
         histories = [self._tool_history(state, int(i), hist) for i in cand]
@@ -342,6 +350,7 @@ class Recommender:
                 "semantic": None if sem is None else round(float(sem[i]), 4),
                 "lexical": None if lex is None else round(float(lex[i]), 4),
                 "adj": adjs[j],
+                "probability": float(probability[j]),
                 "matched": _readable(adjs[j].matched, said, _surface(I.words(state.tools[i].bare_name))),
                 "calls": h.calls,
                 "prior": hf.prior,
@@ -572,6 +581,19 @@ def _top(scores: np.ndarray, k: int, positive: bool) -> np.ndarray:
         part = np.argpartition(-scores[idx], k - 1)[:k]
         idx = idx[part]
     return idx[np.argsort(-scores[idx], kind="stable")]
+
+
+def fit_probability(base: np.ndarray, cand: np.ndarray, adjusted: np.ndarray) -> np.ndarray:
+    """Per candidate, the probability that it is the tool the text asks for among the catalog's:
+    the softmax of the ranker's blend over every tool (the candidates' after the intent
+    adjustment) at the temperature its weights were fitted with (`learned.RankerFit` maximises
+    exactly this on the expected tools). On 400 texts of the corpus's held-out servers against
+    ALL.json (605 tools), the best tool's value read as its chance of being right: quartile
+    means 0.22 / 0.47 / 0.74 / 0.96 beside 27% / 55% / 80% / 94% right first."""
+    z = TEMPERATURE * base.astype(np.float64)
+    z[cand] = TEMPERATURE * np.asarray(adjusted, np.float64)
+    p = np.exp(z - z.max())
+    return p[cand] / p.sum()
 
 
 def _penalty_shares(adj: S.Adjustment, rules: S.IntentRules) -> list[float]:

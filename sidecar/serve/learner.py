@@ -42,10 +42,16 @@ def learn(engine: Sidecar, tlog: TrafficLog, fit: TrafficFit = TrafficFit(), seq
     turn's calls (and the call log of connections that report no turns), set on the engine at
     once, and the catalog's lesson from the turns (returned with how it judged; the caller swaps
     it in)."""
+    learn_sequences(engine, tlog, sequences)
+    return fit.fit(engine.pipeline, tlog.examples(), source=f"traffic: {engine.store.location}")
+
+
+def learn_sequences(engine: Sidecar, tlog: TrafficLog, sequences: SequenceFit = SequenceFit()) -> None:
+    """The tools that go together, set on `engine`: they need no catalog's definitions, only
+    the names each recorded turn called (and the call log's, of `engine`'s catalog)."""
     turns, seen = tlog.turn_calls()
     calls = engine.history.call_sequences(engine.catalog, skip=seen) if engine.history is not None else []
     engine.sequences.update(sequences.fit(turns + calls, "turns" if turns else "sessions"))
-    return fit.fit(engine.pipeline, tlog.examples(), source=f"traffic: {engine.store.location}")
 
 
 def traffic_log(engine: Sidecar, cfg: LearnConfig | None = None) -> TrafficLog:

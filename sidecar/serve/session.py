@@ -257,7 +257,7 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     for r in picks:
         tool = ev.scope.catalog.get(r.tool)
         if tool is not None and r.tool not in ev.stream.injected and tool.server not in down:
-            tools.append(InjectedTool(tool.definition(), relevance=r.score, why=r.why))
+            tools.append(InjectedTool(tool.definition(), relevance=r.relevance, why=r.why))
     if not tools:
         return None
     ev.stream.injected.update(t.definition["name"] for t in tools)
