@@ -330,7 +330,7 @@ def cmd_cascade(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .core import catalog as catalog_mod
-    from .store import sqlite as store_mod
+    from . import store as store_mod
     from .lab import tune
     from .lab.evaluate import from_transcripts, read_labeled
     from .transcripts import read_transcripts
