@@ -102,7 +102,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     """`learn`; with `--traffic` (or `--reset-traffic`) and no catalog anywhere, the store's
     traffic alone: the examples are kept by tool name, whatever catalog the server judged with."""
-    from .catalog import Catalog
+    from .core.catalog import Catalog
     from .engine import Sidecar
     from .recommend import learn
 

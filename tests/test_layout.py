@@ -174,3 +174,16 @@ def test_the_layers_below_the_engine_never_import_an_edge():
 def test_the_top_of_the_package_holds_few_modules():
     top = sorted(f.name for f in PACKAGE.glob("*.py"))
     assert len(top) <= MOST_AT_THE_TOP, top
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    """In the package, its tests and benchmarks, lazy imports too: a module moved to its
+    layer's folder leaves no import of its old name behind (importing every module runs only
+    the imports at module level)."""
+    missing = []
+    for f in [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        for mod, line, _ in imports(f):
+            path = ROOT / mod.replace(".", "/")
+            if not (path.is_dir() or path.with_suffix(".py").exists()):
+                missing.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
