@@ -60,6 +60,19 @@ def _config(args: argparse.Namespace, extra: dict[tuple[str, ...], object] | Non
     )
 
 
+def _apply_learned(engine, quiet: bool) -> None:
+    """What the store learned from traffic (its lesson, the tools that go together), applied as
+    `serve` and the proxy apply it when they start, so `detect`, `recommend` and `replay` rank
+    and inject as the server does on the same store and catalog (tests/test_one_ranking.py)."""
+    from .serve.learner import apply_learned
+
+    learned = apply_learned(engine)
+    if learned is not None and not quiet and (engine.pipeline.learned is not None or len(engine.sequences)):
+        print(f"sidecar: applying what the store learned from {learned.examples} traffic examples"
+              f" ({'a lesson' if engine.pipeline.learned is not None else 'no lesson'}, {len(engine.sequences)} tools that go with another)",
+              file=sys.stderr)  # fmt: skip
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     from .engine import Sidecar
     from .core.pipeline import Request
@@ -68,6 +81,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if not text.strip():
         raise ValueError("no text to judge: pass TEXT or pipe it on stdin")
     engine = Sidecar.open(_config(args), progress=not args.quiet)
+    _apply_learned(engine, args.quiet)
     [judged] = engine.judge([Request(text, args.source)])
     injected = judged.inject(engine.cfg.server.inject_margin)
     if args.json:
@@ -87,6 +101,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     if not query.strip():
         raise ValueError("no query: pass QUERY or pipe it on stdin")
     engine = Sidecar.open(_config(args), progress=not args.quiet)
+    _apply_learned(engine, args.quiet)
     rec = engine.rank(Request(query), args.top, context=Context(agent=args.agent), mode=args.mode)
     if args.json:
         _print_json({"query": rec.query, "results": output.recommended(rec.results)})
@@ -395,7 +410,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from . import replay
     from .client import SidecarError
     from .engine import Sidecar
-    from .serve.learner import apply_learned
 
     cfg = _config(args)
     if args.url:  # the server has the model; the catalog, if given, only checks tool_calls
@@ -403,11 +417,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         engine = Sidecar.open(cfg, progress=not args.quiet)
         conversations = replay.read_transcripts(args.transcripts, engine.catalog)
-        learned = apply_learned(engine)  # as `serve` would: what the store's traffic and chat logs taught
-        if learned is not None and not args.quiet and (engine.pipeline.learned is not None or len(engine.sequences)):
-            print(f"sidecar: applying what the store learned from {learned.examples} traffic examples"
-                  f" ({'a lesson' if engine.pipeline.learned is not None else 'no lesson'}, {len(engine.sequences)} tools that go with another)",
-                  file=sys.stderr)  # fmt: skip
+        _apply_learned(engine, args.quiet)
     total = sum(m.role != "tool" for c in conversations for m in c.messages)
     with progress.bar(total, "replaying", not args.quiet) as bar:
         if args.url:

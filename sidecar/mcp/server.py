@@ -35,6 +35,7 @@ from ..config import Config
 from ..engine import Sidecar, open_history
 from ..store.metrics import key_of
 from ..store import Store
+from ..serve.learner import apply_learned
 from ..serve.telemetry import limit_blas_threads
 from . import meta
 from .calls import call_recorded, error, result
@@ -88,6 +89,8 @@ class MetaServer:
     async def _prepare(self) -> None:
         load = functools.partial(Sidecar.open, self.cfg, catalog=Catalog([]), store=self.store, progress=False, history=self.metrics)
         engine, self.live = await go_live(self.manager, load, self.executor)
+        # what the store learned from traffic, as `serve --mcp-config` applies it over the same tools
+        await asyncio.get_running_loop().run_in_executor(self.executor, apply_learned, engine)
         pipe = engine.pipeline
         self.recommender = engine.recommender
         log.info("ready: %d tools from %d server(s), model %s", len(pipe.catalog), len(self.manager.listings()), pipe.embedder.name)
