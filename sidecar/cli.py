@@ -64,8 +64,12 @@ def _apply_learned(engine, quiet: bool) -> None:
     """What the store learned from traffic (its lesson, the tools that go together), applied as
     `serve` and the proxy apply it when they start, so `detect`, `recommend` and `replay` rank
     and inject as the server does on the same store and catalog (tests/test_one_ranking.py)."""
-    from .serve.learner import apply_learned
+    from .serve.learner import apply_learned, traffic_log
 
+    if not quiet and engine.cfg.learn.traffic and engine.store is not None and (n := traffic_log(engine).count()):
+        # A refit costs in proportion to the log (seconds for hundreds of examples): never a silent wait.
+        print(f"sidecar: fitting what the store learned from {n} traffic examples, as serve does"
+              " ([learn] traffic = false in the config skips it)", file=sys.stderr)  # fmt: skip
     learned = apply_learned(engine)
     if learned is not None and not quiet and (engine.pipeline.learned is not None or len(engine.sequences)):
         print(f"sidecar: applying what the store learned from {learned.examples} traffic examples"
