@@ -619,8 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labeled", metavar="FILE", action="append", help="JSONL labelled set (repeat to combine several)")
     p.add_argument("--transcripts", metavar="FILE", nargs="+", help="chat logs `replay` reads (OpenAI, Anthropic, ours) as labelled data: "
                    "each user turn expects the tools called before the next user turn, or none")
-    p.add_argument("--strategies", action="store_true", help="first compare the index strategies (base, prefix, mcp, llm, action and "
-                   "combinations) on the fit part, uncalibrated: TP, FP, top-1, Pareto front (--json: matrix)")
+    p.add_argument("--strategies", action="store_true", help="first compare the design's strategies on the fit part: the index strategies "
+                   "(base, prefix, mcp, llm, action, prefix+mcp and combinations) uncalibrated, prefix+mcp with the negative patterns "
+                   "blocking, and the calibrated tiered gate: TP, FP, top-1, Pareto front, winner (--json: matrix)")
     p.add_argument("--objective", default="max_tp", help="max_tp (highest TP rate with FP <= 5%%), max_tp:fp<=0.02, balanced, f1")
     p.add_argument("--heldout-fraction", type=float, default=0.3, help="share of the labelled items kept out of fitting (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
