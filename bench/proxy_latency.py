@@ -1,13 +1,17 @@
 """What `sidecar proxy` costs and saves, on one catalog and a labelled set's user turns.
 
-    python bench/proxy_latency.py [--model NAME] [--catalog FILE...] [--labeled FILE] [--requests N] [--json]
+    python bench/proxy_latency.py [--model NAME] [--catalog FILE...] [--labeled FILE] [--requests N]
+                                  [--api chat|messages|both] [--json]
 
 1. Latency added before the first upstream byte: each text is sent as a chat completion
    request twice, straight to a local scripted upstream (tests/openai_upstream.py, on
    127.0.0.1) and through an in-process proxy in front of it; the upstream notes when it has
    read each request. Added = through the proxy minus straight, per text. Beside it, one
    `detect` of the same text on the same engine (`Sidecar.judge`, what `sidecar detect` runs).
-   The query cache is off, so no text is served from an earlier embedding.
+   The query cache is off, so no text is served from an earlier embedding. `--api messages`
+   sends each text as an Anthropic Messages request (/v1/messages) instead, `--api both` as
+   both, in turn, in alternating order (`latency_messages`, and `messages_over_chat`: the ratio
+   of the two added p50s).
 2. Tool-schema tokens per request: every user turn of the labelled set is judged as the proxy
    judges a request (offer.Judge, the configured tier policy and both policies), and the tools
    it would add are counted (cl100k_base, OpenAI function shape) against sending every catalog
@@ -53,30 +57,41 @@ def tokens(tools: list[dict]) -> int:
     return count_tokens(orjson.dumps(tools).decode()) if tools else 0
 
 
-async def latency(server: ProxyServer, up: Upstream, texts: list[str]) -> dict:
-    added, straight, detect = [], [], []
+REQUESTS = {  # the API -> its path and a request of one user turn
+    "chat": ("/chat/completions", lambda text: {"model": "scripted", "messages": [{"role": "user", "content": text}]}),
+    "messages": ("/messages", lambda text: {"model": "scripted", "max_tokens": 64, "messages": [{"role": "user", "content": text}]}),
+}
+
+
+async def latency(server: ProxyServer, up: Upstream, texts: list[str], apis: tuple[str, ...] = ("chat",)) -> dict[str, dict]:
+    """Per API, the latency the proxy adds on each text; with several APIs each text goes
+    through each in turn, the order alternating from one text to the next."""
+    added: dict[str, list[float]] = {api: [] for api in apis}
+    straight: dict[str, list[float]] = {api: [] for api in apis}
+    detect: list[float] = []
     engine = server.engine
     gate = server.app.metrics
     judged0, n0 = gate.value("sidecar_proxy_judge_seconds_sum"), gate.value("sidecar_proxy_judge_seconds_count")
     async with httpx2.AsyncClient(timeout=60) as http:
         for i, text in enumerate(texts):
-            body = {"model": "scripted", "messages": [{"role": "user", "content": text}]}
-            ms = {}
-            for where, base in (("straight", up.url), ("proxy", server.url)) if i % 2 else (("proxy", server.url), ("straight", up.url)):
-                t0 = time.perf_counter()
-                resp = await http.post(base + "/chat/completions", json=body)
-                resp.raise_for_status()
-                ms[where] = (up.requests[-1].at - t0) * 1000
+            for api in apis if i % 2 else apis[::-1]:
+                path, body = REQUESTS[api]
+                ms = {}
+                for where, base in (("straight", up.url), ("proxy", server.url)) if i % 2 else (("proxy", server.url), ("straight", up.url)):
+                    t0 = time.perf_counter()
+                    resp = await http.post(base + path, json=body(text))
+                    resp.raise_for_status()
+                    ms[where] = (up.requests[-1].at - t0) * 1000
+                straight[api].append(ms["straight"])
+                added[api].append(ms["proxy"] - ms["straight"])
             t0 = time.perf_counter()
             await asyncio.get_running_loop().run_in_executor(server.executor, engine.judge, [Request(text, "user")])
             detect.append((time.perf_counter() - t0) * 1000)
-            straight.append(ms["straight"])
-            added.append(ms["proxy"] - ms["straight"])
-    return {"requests": len(texts), "added_ms": {"p50": pct(added, 50), "p90": pct(added, 90), "p99": pct(added, 99)},
-            "straight_ms": {"p50": pct(straight, 50)},
-            "proxy_judge_mean_ms": round((gate.value("sidecar_proxy_judge_seconds_sum") - judged0) * 1000
-                                         / max(1, gate.value("sidecar_proxy_judge_seconds_count") - n0), 2), "detect_ms": {"p50": pct(detect, 50), "p90": pct(detect, 90), "p99": pct(detect, 99)},
-            "ratio_p50": round(pct(added, 50) / pct(detect, 50), 3) if pct(detect, 50) else None}  # fmt: skip
+    judge_mean = round((gate.value("sidecar_proxy_judge_seconds_sum") - judged0) * 1000 / max(1, gate.value("sidecar_proxy_judge_seconds_count") - n0), 2)
+    return {api: {"requests": len(texts), "added_ms": {"p50": pct(added[api], 50), "p90": pct(added[api], 90), "p99": pct(added[api], 99)},
+                  "straight_ms": {"p50": pct(straight[api], 50)}, "proxy_judge_mean_ms": judge_mean,
+                  "detect_ms": {"p50": pct(detect, 50), "p90": pct(detect, 90), "p99": pct(detect, 99)},
+                  "ratio_p50": round(pct(added[api], 50) / pct(detect, 50), 3) if pct(detect, 50) else None} for api in apis}  # fmt: skip
 
 
 async def schema_tokens(server: ProxyServer, items: list) -> dict:
@@ -114,6 +129,8 @@ async def main() -> None:
     ap.add_argument("--labeled", default=str(ROOT / "fixtures/corpus/heldout.jsonl"))
     ap.add_argument("--store", default=None, help="store (default: the config's; tool embeddings cached there)")
     ap.add_argument("--requests", type=int, default=200, help="latency requests (user turns of the labelled set, in order)")
+    ap.add_argument("--api", choices=("chat", "messages", "both"), default="chat",
+                    help="the requests' API: chat completions (default), Anthropic messages, or both in turn")
     ap.add_argument("--no-tokens", action="store_true", help="skip the tokens figure")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -126,9 +143,15 @@ async def main() -> None:
         await server.start()
         try:
             texts = [i.text for i in items[: args.requests]]
-            await latency(server, up, texts[:10])  # warm-up: connections, caches, the model's first calls
+            apis = ("chat", "messages") if args.api == "both" else (args.api,)
+            await latency(server, up, texts[:10], apis)  # warm-up: connections, caches, the model's first calls
+            measured = await latency(server, up, texts, apis)
             report = {"model": server.engine.pipeline.embedder.name, "catalog": [pathlib.Path(c).name for c in args.catalog],
-                      "labeled": pathlib.Path(args.labeled).name, "latency": await latency(server, up, texts)}  # fmt: skip
+                      "labeled": pathlib.Path(args.labeled).name, "latency": measured[apis[0]]}  # fmt: skip
+            if args.api == "both":
+                report["latency_messages"] = measured["messages"]
+                chat, messages = measured["chat"]["added_ms"]["p50"], measured["messages"]["added_ms"]["p50"]
+                report["messages_over_chat"] = round(messages / chat, 3) if chat else None
             if not args.no_tokens:
                 report["tokens"] = await schema_tokens(server, items)
         finally:
@@ -138,8 +161,12 @@ async def main() -> None:
         return
     lat = report["latency"]
     print(f"{report['model']}, {', '.join(report['catalog'])}, {lat['requests']} requests of {report['labeled']}")
-    print(f"added before the first upstream byte: p50 {lat['added_ms']['p50']} ms (p90 {lat['added_ms']['p90']}); "
-          f"one detect: p50 {lat['detect_ms']['p50']} ms; ratio {lat['ratio_p50']}")  # fmt: skip
+    print(f"added before the first upstream byte ({args.api if args.api != 'both' else 'chat'}): p50 {lat['added_ms']['p50']} ms "
+          f"(p90 {lat['added_ms']['p90']}); one detect: p50 {lat['detect_ms']['p50']} ms; ratio {lat['ratio_p50']}")  # fmt: skip
+    if "latency_messages" in report:
+        m = report["latency_messages"]
+        print(f"added before the first upstream byte (messages): p50 {m['added_ms']['p50']} ms (p90 {m['added_ms']['p90']}); "
+              f"messages / chat: {report['messages_over_chat']}")  # fmt: skip
     if "tokens" in report:
         t = report["tokens"]
         for policy, p in t["policies"].items():

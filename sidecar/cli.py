@@ -654,9 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "beside --catalog, follow their list changes, and withhold the tools of a server that is down")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("proxy", help="an OpenAI-compatible endpoint in front of a chat API that adds the injected tools and runs the MCP ones (docs/proxy.md)")
+    p = sub.add_parser("proxy", help="an OpenAI- and Anthropic-compatible endpoint (/v1/chat/completions, /v1/messages) in front of a chat API that adds "
+                        "the injected tools and runs the MCP ones (docs/proxy.md)")
     _common(p)
-    p.add_argument("--upstream", metavar="URL", help="the chat API's base URL, as the openai SDK's base_url (e.g. http://127.0.0.1:8000/v1; env SIDECAR_UPSTREAM)")
+    p.add_argument("--upstream", metavar="URL", help="the chat API's base URL, as the openai SDK's base_url (e.g. http://127.0.0.1:8000/v1, "
+                        "https://api.anthropic.com/v1; env SIDECAR_UPSTREAM)")
     p.add_argument("--mcp-config", metavar="FILE", help="mcpServers JSON: their tools are injected and run by the proxy")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8766, 0 for any free one)")

@@ -300,7 +300,7 @@ class CascadeConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """`sidecar proxy`: an OpenAI-compatible endpoint in front of an upstream chat API, which
+    """`sidecar proxy`: an OpenAI- and Anthropic-compatible endpoint in front of an upstream chat API, which
     adds the tools the engine injects to each request (docs/proxy.md)."""
 
     upstream: str | None = None  # the upstream's base URL, e.g. http://127.0.0.1:8000/v1 (required by `sidecar proxy`)

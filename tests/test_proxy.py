@@ -333,7 +333,7 @@ def test_a_client_that_goes_away_cancels_the_upstream_call(tmp_path):
                         break
                     await asyncio.sleep(0.05)
                 assert server.app.metrics.value("sidecar_proxy_cancelled_total") == 2
-                assert server.app.metrics.value("sidecar_proxy_requests_total", mode="whole", status="200") == 0
+                assert server.app.metrics.value("sidecar_proxy_requests_total", api="chat", mode="whole", status="200") == 0
 
     run(body(), timeout=180)
 
@@ -466,8 +466,8 @@ def test_the_proxy_command_serves_and_never_logs_the_key(tmp_path):
                 assert done.choices[0].message.content == "ok"
                 async with httpx2.AsyncClient() as http:
                     metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-                assert 'sidecar_proxy_requests_total{mode="whole",status="500"} 1.0' in metrics
-                assert 'sidecar_proxy_requests_total{mode="whole",status="200"} 1.0' in metrics
+                assert 'sidecar_proxy_requests_total{api="chat",mode="whole",status="500"} 1.0' in metrics
+                assert 'sidecar_proxy_requests_total{api="chat",mode="whole",status="200"} 1.0' in metrics
 
             run(body(), timeout=240)
             assert all(r.headers["authorization"] == f"Bearer {secret}" for r in up.chats)

@@ -2,15 +2,16 @@
 httpx2 (both already installed with the MCP SDK); everything it decides comes from the engine
 (offer.py) and every shape from shapes.py.
 
-    POST /v1/chat/completions   judged, tools added, forwarded; replies relayed (SSE or JSON),
-                                the proxy's MCP tools run in bounded rounds
-    GET  /v1/models             passed through
+    POST /v1/chat/completions   OpenAI: judged, tools added, forwarded; replies relayed (SSE or
+                                JSON), the proxy's MCP tools run in bounded rounds
+    POST /v1/messages           Anthropic: the same, in Anthropic's shapes (shapes.MESSAGES)
+    POST /v1/messages/count_tokens, GET /v1/models    passed through
     GET  /metrics               Prometheus text (telemetry.ProxyMetrics)
     GET  /healthz               ok
 
 The paths also answer without the /v1 prefix. A client that goes away cancels its request,
-and so the upstream call (its connection is closed). `Authorization` and the OpenAI-* headers
-are forwarded to the upstream; no header is ever logged.
+and so the upstream call (its connection is closed). `Authorization`, `x-api-key` and the
+OpenAI-* and Anthropic-* headers are forwarded to the upstream; no header is ever logged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx2
@@ -44,7 +46,8 @@ from .offer import Judge, Narration, Offer
 
 log = logging.getLogger("sidecar.proxy")
 
-FORWARDED = ("authorization", "api-key", "openai-organization", "openai-project", "openai-beta", "user-agent", "accept-language")
+FORWARDED = ("authorization", "api-key", "x-api-key", "user-agent", "accept-language")
+FORWARDED_PREFIXES = ("openai-", "anthropic-")  # openai-organization, anthropic-version, anthropic-beta, ...
 JSON = "application/json"
 
 
@@ -55,8 +58,17 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.status, self.code = status, code
 
-    def body(self) -> dict[str, Any]:
-        return shapes.error_body(str(self), "upstream_error", code=self.code)
+    def body(self, dialect: shapes.Dialect) -> dict[str, Any]:
+        return dialect.error(str(self), "upstream_error", code=self.code)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one request's upstream calls go: its API, the endpoint's URL, the client's headers."""
+
+    dialect: shapes.Dialect
+    url: str
+    headers: dict[str, str]
 
 
 class Refused(Exception):
@@ -85,21 +97,24 @@ class Proxy:
         self.http = httpx2.AsyncClient(timeout=timeout, trust_env=False)
         self.metrics = ProxyMetrics()
         self.learner: Learner | None = None  # learning from traffic ([learn] traffic): set by ProxyServer
-        self._counted: tuple[Catalog, int] | None = None
+        self._counted: dict[str, tuple[Catalog, int]] = {}  # by dialect
 
     async def aclose(self) -> None:
         await self.http.aclose()
 
     # ---- the whole catalog's schema tokens: what the proxy saves -----------------------------
 
-    async def catalog_tokens(self) -> int:
-        """Tokens of every catalog tool as OpenAI function tools, counted once per catalog."""
+    async def catalog_tokens(self, dialect: shapes.Dialect = shapes.CHAT) -> int:
+        """Tokens of every catalog tool in `dialect`'s shape, counted once per catalog (the gauge
+        shows OpenAI's function shape)."""
         catalog = self.engine.catalog
-        if self._counted is None or self._counted[0] is not catalog:
-            every = [shapes.function_tool(t.definition()) for t in catalog]
-            self._counted = (catalog, await asyncio.to_thread(_schema_tokens, every))
-            self.metrics.catalog_tokens.set(self._counted[1])
-        return self._counted[1]
+        counted = self._counted.get(dialect.name)
+        if counted is None or counted[0] is not catalog:
+            every = [dialect.tool(t.definition()) for t in catalog]
+            counted = self._counted[dialect.name] = (catalog, await asyncio.to_thread(_schema_tokens, every))
+            if dialect is shapes.CHAT:
+                self.metrics.catalog_tokens.set(counted[1])
+        return counted[1]
 
     # ---- ASGI --------------------------------------------------------------------------------
 
@@ -109,25 +124,33 @@ class Proxy:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path, method = scope["path"], scope["method"]
         route = path[3:] if path.startswith("/v1/") else path
+        query = scope.get("query_string") or b""
+        dialect = shapes.MESSAGES if route.startswith("/messages") else shapes.CHAT  # the shape of its errors
         host = headers.get("host")
         if host is not None and _loopback(self.opts.host) and not _loopback(_hostname(host)):
-            return await _error(send, 421, f"host {host} is not this proxy: a loopback proxy answers only to a loopback name", "invalid_request_error")
+            return await _error(send, 421, f"host {host} is not this proxy: a loopback proxy answers only to a loopback name", "invalid_request_error",
+                                dialect=dialect)  # fmt: skip
         if route == "/healthz" and method in ("GET", "HEAD"):
             return await _respond(send, 200, b"ok\n", "text/plain")
         if route == "/metrics" and method in ("GET", "HEAD"):
             return await _respond(send, 200, self.metrics.render(), CONTENT_TYPE)
-        if route == "/models" or route.startswith("/models/"):
-            if method != "GET":
-                return await _error(send, 405, f"method {method} is not allowed here: GET", "invalid_request_error")
-            return await self._guarded(receive, send, self._models(send, route, headers))
-        if route == "/chat/completions":
-            if method != "POST":
-                return await _error(send, 405, f"method {method} is not allowed here: POST", "invalid_request_error")
+        allowed = "GET" if route == "/models" or route.startswith("/models/") else "POST"
+        if route not in ("/chat/completions", "/messages", "/messages/count_tokens") and allowed == "POST":
+            return await _error(send, 404, f"no route {method} {path}: this proxy serves /v1/chat/completions, /v1/messages, "
+                                "/v1/messages/count_tokens and /v1/models", "invalid_request_error", dialect=dialect)  # fmt: skip
+        if method != allowed:
+            return await _error(send, 405, f"method {method} is not allowed here: {allowed}", "invalid_request_error", dialect=dialect)
+        raw = b""
+        if method == "POST":
             raw = await _body(receive, self.opts.max_body_bytes)
             if raw is None:
-                return await _error(send, 413, f"the request body is over proxy.max_body_bytes ({self.opts.max_body_bytes})", "invalid_request_error")
-            return await self._guarded(receive, send, self._chat(send, raw, headers))
-        return await _error(send, 404, f"no route {method} {path}: this proxy serves /v1/chat/completions and /v1/models", "invalid_request_error")
+                return await _error(send, 413, f"the request body is over proxy.max_body_bytes ({self.opts.max_body_bytes})", "invalid_request_error",
+                                    code="request_too_large", dialect=dialect)  # fmt: skip
+        if route in ("/chat/completions", "/messages"):
+            work = self._converse(send, raw, headers, dialect, query)
+        else:
+            work = self._passed(send, method, route, query, raw, headers, dialect)
+        return await self._guarded(receive, send, work)
 
     async def _guarded(self, receive: Callable, send: Callable, work) -> None:
         """Run `work` until it ends or the client goes away, which cancels it (and so the
@@ -145,56 +168,62 @@ class Proxy:
                 await task
 
     def _forwarded(self, headers: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in headers.items() if k in FORWARDED or k.startswith("openai-")}
+        return {k: v for k, v in headers.items() if k in FORWARDED or k.startswith(FORWARDED_PREFIXES)}
 
-    async def _models(self, send: Callable, route: str, headers: dict[str, str]) -> None:
+    def _url(self, route: str, query: bytes = b"") -> str:
+        return self.base + route + ("?" + query.decode("latin-1") if query else "")
+
+    async def _passed(self, send: Callable, method: str, route: str, query: bytes, raw: bytes, headers: dict[str, str],
+                      dialect: shapes.Dialect) -> None:  # fmt: skip
+        """/models and /messages/count_tokens: the upstream's answer, as it is."""
+        forwarded = self._forwarded(headers) | ({"content-type": JSON} if method == "POST" else {})
         try:
-            resp = await self.http.get(self.base + route, headers=self._forwarded(headers))
+            resp = await self.http.request(method, self._url(route, query), content=raw or None, headers=forwarded)
         except httpx2.HTTPError as e:
             err = self._upstream_error(e)
-            return await _respond(send, err.status, orjson.dumps(err.body()), JSON)
+            return await _respond(send, err.status, orjson.dumps(err.body(dialect)), JSON)
         await _respond(send, resp.status_code, resp.content, resp.headers.get("content-type", JSON))
 
-    # ---- chat completions --------------------------------------------------------------------
+    # ---- a conversation: chat completions or messages ----------------------------------------
 
-    async def _chat(self, send: Callable, raw: bytes, headers: dict[str, str]) -> None:
+    async def _converse(self, send: Callable, raw: bytes, headers: dict[str, str], dialect: shapes.Dialect, query: bytes = b"") -> None:
         try:
-            body = shapes.parse_request(raw)
+            body = dialect.parse(raw)
         except shapes.BadRequest as e:
-            self.metrics.requests.labels("unknown", "400").inc()
-            return await _error(send, 400, str(e), "invalid_request_error", param=e.param)
+            self.metrics.requests.labels(dialect.name, "unknown", "400").inc()
+            return await _error(send, 400, str(e), "invalid_request_error", param=e.param, dialect=dialect)
         mode = "stream" if body.get("stream") else "whole"
         t0 = time.perf_counter()
-        judge = Judge(self.cfg, self.engine, self.live, self.executor, agent=body.get("user") if isinstance(body.get("user"), str) else None)
+        judge = Judge(self.cfg, self.engine, self.live, self.executor, agent=dialect.agent(body), dialect=dialect)
+        target = Target(dialect, self._url(dialect.path, query), self._forwarded(headers))
         try:
             offer = await judge.offer(body)
         except Exception:  # fail open: the request goes upstream as the client sent it
             log.exception("judging a request failed; forwarding it without tools")
             offer = Offer()
         self.metrics.gate.observe(time.perf_counter() - t0)
-        upstream = shapes.with_tools(body, offer.tools)
-        forwarded = self._forwarded(headers)
+        upstream = dialect.with_tools(body, offer.tools)
         try:
             if mode == "stream":
-                resp = await self._open(upstream, forwarded)
-                self.metrics.requests.labels(mode, "200").inc()
+                resp = await self._open(upstream, target)
+                self.metrics.requests.labels(dialect.name, mode, "200").inc()
                 await send({"type": "http.response.start", "status": 200, "headers": _headers("text/event-stream", [(b"cache-control", b"no-cache")])})
-                async for piece in self._relay(resp, upstream, forwarded, offer, judge):
+                async for piece in self._relay(resp, upstream, target, offer, judge):
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
-                status, out = await self._whole(upstream, forwarded, offer, judge)
-                self.metrics.requests.labels(mode, str(status)).inc()
+                status, out = await self._whole(upstream, target, offer, judge)
+                self.metrics.requests.labels(dialect.name, mode, str(status)).inc()
                 await _respond(send, status, orjson.dumps(out), JSON)
         except UpstreamError as e:
-            self.metrics.requests.labels(mode, str(e.status)).inc()
-            await _respond(send, e.status, orjson.dumps(e.body()), JSON)
+            self.metrics.requests.labels(dialect.name, mode, str(e.status)).inc()
+            await _respond(send, e.status, orjson.dumps(e.body(dialect)), JSON)
         except Refused as e:
-            self.metrics.requests.labels(mode, str(e.status)).inc()
+            self.metrics.requests.labels(dialect.name, mode, str(e.status)).inc()
             await _respond(send, e.status, e.content, e.content_type)
         finally:  # counted once the request is on its way, not before it
-            await self._count(offer)
             self._learn(body, judge)
+            await self._count(offer, dialect)
 
     def _learn(self, body: dict[str, Any], judge: Judge) -> None:
         """A fresh user turn (the request ends with a user message) and the tools the model called
@@ -202,18 +231,18 @@ class Proxy:
         results continues a turn already recorded. A conversation (named by its first user
         message) is one session: its share of the examples is bounded."""
         messages = body.get("messages") or []
-        turns = shapes.user_turns(messages)
-        if self.learner is None or not messages or messages[-1].get("role") != "user" or not turns:
+        turns = judge.dialect.user_turns(messages)
+        if self.learner is None or not judge.dialect.fresh_turn(messages) or not turns:
             return
         vector = judge.vectors.get("user")
         if vector is not None:
             self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(turns))
 
-    async def _count(self, offer: Offer) -> None:
+    async def _count(self, offer: Offer, dialect: shapes.Dialect) -> None:
         self.metrics.tools_added.observe(len(offer.tools))
         sent = _schema_tokens(offer.tools)
         self.metrics.schema_tokens_sent.inc(sent)
-        self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens() - sent))
+        self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens(dialect) - sent))
 
     def _upstream_error(self, e: Exception) -> UpstreamError:
         if isinstance(e, httpx2.TimeoutException) and not isinstance(e, (httpx2.ConnectTimeout, httpx2.PoolTimeout)):
@@ -222,10 +251,10 @@ class Proxy:
         self.metrics.upstream_errors.labels("unreachable").inc()
         return UpstreamError(502, "upstream_unreachable", f"the upstream at {self.base} cannot be reached: {type(e).__name__}: {e}")
 
-    async def _open(self, body: dict[str, Any], headers: dict[str, str]) -> httpx2.Response:
+    async def _open(self, body: dict[str, Any], target: Target) -> httpx2.Response:
         """A streamed upstream call, its status checked: raises UpstreamError or Refused."""
-        request = self.http.build_request("POST", self.base + "/chat/completions", content=orjson.dumps(body),
-                                          headers={**headers, "content-type": JSON, "accept": "text/event-stream"})  # fmt: skip
+        request = self.http.build_request("POST", target.url, content=orjson.dumps(body),
+                                          headers={**target.headers, "content-type": JSON, "accept": "text/event-stream"})  # fmt: skip
         try:
             resp = await self.http.send(request, stream=True)
         except httpx2.HTTPError as e:
@@ -241,9 +270,9 @@ class Proxy:
             raise Refused(resp.status_code, content, resp.headers.get("content-type", JSON))
         return resp
 
-    async def _post(self, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def _post(self, body: dict[str, Any], target: Target) -> dict[str, Any]:
         try:
-            resp = await self.http.post(self.base + "/chat/completions", content=orjson.dumps(body), headers={**headers, "content-type": JSON})
+            resp = await self.http.post(target.url, content=orjson.dumps(body), headers={**target.headers, "content-type": JSON})
         except httpx2.HTTPError as e:
             raise self._upstream_error(e) from None
         if resp.status_code != 200:
@@ -254,176 +283,148 @@ class Proxy:
         except orjson.JSONDecodeError:
             self.metrics.upstream_errors.labels("invalid").inc()
             raise UpstreamError(502, "upstream_invalid", "the upstream's answer is not JSON") from None
-        if not isinstance(out, dict) or not isinstance(out.get("choices"), list) or not out["choices"]:
+        if (wrong := target.dialect.whole_error(out)) is not None:
             self.metrics.upstream_errors.labels("invalid").inc()
-            raise UpstreamError(502, "upstream_invalid", "the upstream's answer has no choices")
+            raise UpstreamError(502, "upstream_invalid", wrong)
         return out
 
-    async def _relay(self, resp: httpx2.Response, body: dict[str, Any], headers: dict[str, str], offer: Offer,
-                     judge: Judge) -> AsyncIterator[bytes]:  # fmt: skip
-        """The client's event stream over one or more upstream calls: the first reply's chunks
+    async def _relay(self, resp: httpx2.Response, body: dict[str, Any], target: Target, offer: Offer, judge: Judge) -> AsyncIterator[bytes]:
+        """The client's event stream over one or more upstream calls: the first reply's events
         as they come (the proxy's own tool calls held back), then, while the model calls only
         the proxy's tools, their results appended and the next reply; a narrated tool is
-        annotated or restarts the call. One completion id throughout; usage added up."""
+        annotated or restarts the call. One reply throughout (dialect.Stream), usage added up."""
         action = self.opts.on_narration
         rounds = restarts = 0
-        usage = None
-        first_id = None
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        dialect = target.dialect
+        stream = dialect.Stream(body)
         while True:
-            reply = shapes.Reply(offer.ours)
-            narration = Narration(judge, f"reply-{rounds}-{restarts}", shapes.client_tool_names(body)) if action != "off" else None  # body: tools as sent
+            reply = stream.reply(offer.ours)
+            narration = Narration(judge, f"reply-{rounds}-{restarts}", dialect.client_tool_names(body)) if action != "off" else None  # body: tools as sent
             restart: list = []
             reader = shapes.SSEReader()
-            ended = False  # [DONE] seen
             try:
                 async for data in resp.aiter_bytes():
                     for ev in reader.feed(data):
-                        if ev.data is not None and ev.data.strip() == "[DONE]":
-                            ended = True
-                        if ev.data is None or ended:
-                            continue
+                        before = len(reply.content)
                         try:
-                            chunk = orjson.loads(ev.data)
-                        except orjson.JSONDecodeError:
-                            chunk = None
-                        if not isinstance(chunk, dict):  # not a chunk: skipped, counted
+                            out, failed = stream.feed(reply, ev)
+                        except shapes.NotAnEvent:  # skipped, counted
                             self.metrics.upstream_errors.labels("invalid").inc()
                             continue
-                        if "error" in chunk:  # the upstream failed mid-stream: the client is told so
-                            yield shapes.sse(chunk)
+                        for piece in out:
+                            yield piece
+                        if failed:  # the upstream failed mid-stream: the client was told so
                             return
-                        first_id = first_id or chunk.get("id")
-                        before = len(reply.content)
-                        out = reply.feed(chunk)
-                        if out is not None:
-                            yield shapes.sse({**out, "id": first_id})
                         if narration is not None and len(reply.content) > before:
                             narration.feed("".join(reply.content[before:]))
                     if narration is not None and (found := narration.take()):
-                        for piece in self._narrated(found, first_id, body.get("model")):
+                        for piece in stream.narrated([self._note(inj, dialect) for inj in found]):
                             yield piece
-                        if action == "restart" and restarts < self.opts.max_restarts:
+                        if action == "restart" and restarts < self.opts.max_restarts and dialect.adds_tools(body):
                             restart = found
                             break
             except httpx2.HTTPError as e:
-                yield shapes.sse(self._upstream_error(e).body())
+                yield stream.error(self._upstream_error(e).body(dialect))
                 return
             finally:
                 await resp.aclose()
-            if not ended and not restart and reply.finish_reason is None:  # closed mid-reply: not an answer
+            if not reply.ended and not restart and reply.finish_reason is None:  # closed mid-reply: not an answer
                 self.metrics.upstream_errors.labels("cut").inc()
-                yield shapes.sse(shapes.error_body("the upstream's stream ended before its reply did", "upstream_error", code="upstream_cut"))
+                yield stream.error(dialect.error("the upstream's stream ended before its reply did", "upstream_error", code="upstream_cut"))
                 return
             if narration is not None and not restart:
                 found = await narration.end()
-                for piece in self._narrated(found, first_id, body.get("model")):
+                for piece in stream.narrated([self._note(inj, dialect) for inj in found]):
                     yield piece
-                if action == "restart" and restarts < self.opts.max_restarts and found:
+                if action == "restart" and restarts < self.opts.max_restarts and found and dialect.adds_tools(body):
                     restart = found
-            usage = shapes.add_usage(usage, reply.usage)
+            stream.usage = shapes.add_usage(stream.usage, reply.usage)
             follow, rounds, restarts = await self._follow(reply, body, offer, judge, restart, rounds, restarts, shown=True)
             if follow is None:
-                finish = reply.finish_chunk or {"id": first_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                                                "model": body.get("model"), "choices": [{"index": 0, "delta": {}, "finish_reason": None}]}  # fmt: skip
-                choices = [{**c, "finish_reason": reply.client_finish() or "stop"} if c.get("index", 0) == 0 else c for c in finish["choices"]]
-                yield shapes.sse({**finish, "id": first_id, "choices": choices})
-                if include_usage and usage is not None:
-                    yield shapes.sse({"id": first_id, "object": "chat.completion.chunk", "created": finish.get("created"),
-                                      "model": finish.get("model"), "choices": [], "usage": usage})  # fmt: skip
-                yield shapes.sse("[DONE]")
+                for piece in stream.finish(reply):
+                    yield piece
                 return
+            for piece in stream.between(reply):
+                yield piece
             body = follow
             try:
-                resp = await self._open(body, headers)
+                resp = await self._open(body, target)
             except UpstreamError as e:
-                yield shapes.sse(e.body())
+                yield stream.error(e.body(dialect))
                 return
             except Refused as e:
-                yield shapes.sse(_refused_body(e))
+                yield stream.error(dialect.refused(e.status, e.content))
                 return
 
-    async def _follow(self, reply: shapes.Reply, body: dict[str, Any], offer: Offer, judge: Judge, narrated: list, rounds: int,
+    async def _follow(self, reply: shapes.Answer, body: dict[str, Any], offer: Offer, judge: Judge, narrated: list, rounds: int,
                       restarts: int, *, shown: bool) -> tuple[dict[str, Any] | None, int, int]:  # fmt: skip
         """The body of the upstream call that follows `reply`, or None when `reply` is the last,
         with the rounds and restarts counted: a restart with the `narrated` tools (within
         max_restarts; the reply so far goes along when the client was `shown` it), else a round
         with the results of the proxy's calls (within max_tool_rounds)."""
+        dialect = judge.dialect
         judge.called += [offer.names.get(c.name, c.name) for c in reply.calls.values() if c.name]
         messages = list(body["messages"])
         if narrated and restarts < self.opts.max_restarts:
             self.metrics.restarts.inc()
-            added = judge.add(offer, [t.definition for inj in narrated for t in inj.tools], shapes.client_tool_names(body))
-            partial = [{"role": "assistant", "content": reply.text}] if shown and reply.text else []
+            added = judge.add(offer, [t.definition for inj in narrated for t in inj.tools], dialect.client_tool_names(body))
+            partial = dialect.partial(reply.text) if shown else []
             return {**body, "tools": [*(body.get("tools") or ()), *added], "messages": messages + partial}, rounds, restarts + 1
         if reply.our_calls and not reply.client_calls and rounds < self.opts.max_tool_rounds:
             results = await self._run_calls(reply, offer, judge, body)
-            follow = {**body, "messages": [*messages, reply.assistant_message(), *results]}
-            return shapes.with_tools(follow, [t for t in offer.tools if t not in (body.get("tools") or ())]), rounds + 1, restarts
+            follow = {**body, "messages": [*messages, *dialect.results(reply, results)]}
+            return dialect.with_tools(follow, [t for t in offer.tools if t not in (body.get("tools") or ())]), rounds + 1, restarts
         return None, rounds, restarts
 
-    def _note(self, inject) -> dict[str, Any]:
+    def _note(self, inject, dialect: shapes.Dialect) -> dict[str, Any]:
         """What a narration annotation says of one inject (and counts it)."""
         self.metrics.narrations.labels(self.opts.on_narration).inc()
         return {"tier": inject.tier, "probability": inject.probability, "trigger": inject.trigger.text, "action": self.opts.on_narration,
-                "tools": [shapes.function_tool(t.definition) for t in inject.tools]}  # fmt: skip
+                "tools": [dialect.tool(t.definition) for t in inject.tools]}  # fmt: skip
 
-    def _narrated(self, found: list, completion_id: str | None, model: str | None) -> list[bytes]:
-        """The annotation of narrated tools in a stream: an SSE comment and a chunk with no
-        choice whose `sidecar.narration` names them (a client that wants to decide reads it)."""
-        out = []
-        for inj in found:
-            note = self._note(inj)
-            out.append(shapes.sse_comment(f"sidecar narration: {', '.join(t['function']['name'] for t in note['tools'])}"))
-            out.append(shapes.sse({"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                                   "choices": [], "sidecar": {"narration": note}}))  # fmt: skip
-        return out
-
-    async def _whole(self, body: dict[str, Any], headers: dict[str, str], offer: Offer, judge: Judge) -> tuple[int, dict[str, Any]]:
+    async def _whole(self, body: dict[str, Any], target: Target, offer: Offer, judge: Judge) -> tuple[int, dict[str, Any]]:
         """A non-streamed request over one or more upstream calls (as `_relay`)."""
         action = self.opts.on_narration
+        dialect = target.dialect
         rounds = restarts = 0
         usage = None
         notes: list[dict[str, Any]] = []
+        earlier: list[shapes.Answer] = []  # the replies of the proxy's tool rounds (not those restarted)
         while True:
-            out = await self._post(body, headers)
-            choice = out["choices"][0]
-            reply = shapes.Reply(offer.ours)
-            message = reply.take_message(choice.get("message") or {}, choice.get("finish_reason"), out.get("usage"))
+            out = await self._post(body, target)
+            reply = dialect.Reply(offer.ours)
+            reply.take_whole(out)
             usage = shapes.add_usage(usage, reply.usage)
             found = []
             if action != "off" and reply.text:
-                narration = Narration(judge, f"reply-{rounds}-{restarts}", shapes.client_tool_names(body))
+                narration = Narration(judge, f"reply-{rounds}-{restarts}", dialect.client_tool_names(body))
                 narration.feed(reply.text)
                 found = await narration.end()
-                notes += [self._note(inj) for inj in found]
-            follow, rounds, restarts = await self._follow(reply, body, offer, judge, found if action == "restart" else [], rounds, restarts,
-                                                          shown=False)  # fmt: skip
+                notes += [self._note(inj, dialect) for inj in found]
+            narrated = found if action == "restart" and dialect.adds_tools(body) else []
+            before = restarts
+            follow, rounds, restarts = await self._follow(reply, body, offer, judge, narrated, rounds, restarts, shown=False)
             if follow is not None:
+                earlier += [reply] if restarts == before else []
                 body = follow
                 continue
-            out["choices"] = [{**choice, "message": message, "finish_reason": reply.client_finish()}, *out["choices"][1:]]
-            if usage is not None:
-                out["usage"] = usage
+            out = dialect.answer(out, reply, earlier, usage)
             if notes:
                 out["sidecar"] = {"narration": notes}
             return 200, out
 
     # ---- running the proxy's tools -----------------------------------------------------------
 
-    async def _run_calls(self, reply: shapes.Reply, offer: Offer, judge: Judge, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _run_calls(self, reply: shapes.Answer, offer: Offer, judge: Judge, body: dict[str, Any]) -> list[tuple[shapes.Call, str, bool]]:
         """Run the model's calls of the proxy's MCP tools (concurrently), each recorded in the
-        metrics store; a failure is a tool message carrying the error and the fallbacks, which
-        are also offered for the next round."""
-        agent = body.get("user") if isinstance(body.get("user"), str) else None
-        results = await asyncio.gather(*(self._run(c, offer, agent) for c in reply.our_calls))
-        messages = []
-        for call, (content, fallbacks) in zip(reply.our_calls, results):
-            messages.append(shapes.tool_message(call.id, content))
-            judge.add(offer, fallbacks, shapes.client_tool_names(body))
-        return messages
+        metrics store: (call, result, failed) each. A failure's result carries the error and the
+        fallbacks, which are also offered for the next round."""
+        results = await asyncio.gather(*(self._run(c, offer, judge.dialect.agent(body)) for c in reply.our_calls))
+        for _, fallbacks, _ in results:
+            judge.add(offer, fallbacks, judge.dialect.client_tool_names(body))
+        return [(call, content, failed) for call, (content, _, failed) in zip(reply.our_calls, results)]
 
-    async def _run(self, call: shapes.Call, offer: Offer, agent: str | None) -> tuple[str, list[dict[str, Any]]]:
+    async def _run(self, call: shapes.Call, offer: Offer, agent: str | None) -> tuple[str, list[dict[str, Any]], bool]:
         from ..mcp.calls import call_recorded, text_of
 
         name = offer.names[call.name]
@@ -431,7 +432,7 @@ class Proxy:
             arguments = shapes.arguments_of(call)
         except ValueError as e:
             self.metrics.mcp_calls.labels("bad_arguments").inc()
-            return orjson.dumps({"error": str(e)}).decode(), []
+            return orjson.dumps({"error": str(e)}).decode(), [], True
         res = await call_recorded(self.manager, self.engine.history, name, arguments, self._fallbacks, agent=agent)
         self.metrics.mcp_calls.labels("error" if res.is_error else "ok").inc()
         limit = self.opts.max_tool_result_chars
@@ -440,11 +441,11 @@ class Proxy:
             fallbacks = [{k: v for k, v in d.items() if k not in ("score", "reason")} for d in payload.get("fallback_suggestions") or ()]
             note = {"error": payload.get("error"), "tool": call.name,
                     "fallback_suggestions": [shapes.function_name(d["name"]) for d in fallbacks]}  # fmt: skip
-            return orjson.dumps(note).decode()[:limit], fallbacks
+            return orjson.dumps(note).decode()[:limit], fallbacks, True
         text = text_of(res)
         if not text and res.structured_content is not None:
             text = orjson.dumps(res.structured_content).decode()
-        return text[:limit], []
+        return text[:limit], [], False
 
     async def _fallbacks(self, name: str) -> list[dict[str, Any]]:
         """Live tools that could stand in for a failed one, as full definitions with score and reason."""
@@ -461,16 +462,6 @@ def conversation_of(turns: list[str]) -> str:
     """A conversation's name, from its first user turn (an OpenAI request names none): the
     session its examples are kept under."""
     return f"proxy:{hashlib.sha256(turns[0].encode()).hexdigest()[:16]}"
-
-
-def _refused_body(e: Refused) -> dict[str, Any]:
-    try:
-        body = orjson.loads(e.content)
-        if isinstance(body, dict) and "error" in body:
-            return body
-    except orjson.JSONDecodeError:
-        pass
-    return shapes.error_body(f"the upstream answered {e.status}", "upstream_error", code=str(e.status))
 
 
 async def _body(receive: Callable, limit: int) -> bytes | None:
@@ -503,8 +494,9 @@ async def _respond(send: Callable, status: int, content: bytes, content_type: st
     await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
-async def _error(send: Callable, status: int, message: str, kind: str, *, param: str | None = None) -> None:
-    await _respond(send, status, orjson.dumps(shapes.error_body(message, kind, param=param)), JSON)
+async def _error(send: Callable, status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None,
+                 dialect: shapes.Dialect = shapes.CHAT) -> None:  # fmt: skip
+    await _respond(send, status, orjson.dumps(dialect.error(message, kind, param=param, code=code)), JSON)
 
 
 # ---- serving -------------------------------------------------------------------------------------
@@ -549,7 +541,8 @@ class ProxyServer:
         if self.cfg.learn.traffic and self.engine.store is not None:
             self.app.learner = Learner(self.engine, self.cfg.learn)
             self.app.learner.refit()  # what earlier runs recorded, in the background
-        await self.app.catalog_tokens()
+        for dialect in (shapes.CHAT, shapes.MESSAGES):
+            await self.app.catalog_tokens(dialect)
         import uvicorn
 
         config = uvicorn.Config(self.app, host=self.cfg.proxy.host, port=self.cfg.proxy.port, log_level="warning", access_log=False,

@@ -1,4 +1,5 @@
-"""What the proxy adds to a request, decided by the engine: the same `Session`, `judge` and
+"""What the proxy adds to a request, decided by the engine, whichever API it speaks (a
+`shapes.Dialect`: OpenAI Chat Completions or Anthropic Messages): the same `Session`, `judge` and
 `inject_for` the websocket server runs (session.py), so a text injects the same tools through
 either door. A request is one session: its last user turn is judged whole (stream "user"),
 each reply's text is fed to the streaming gate as the model writes it (stream "reply-N").
@@ -39,7 +40,8 @@ CONTEXT_WORDS = 8  # a last user turn of at most this many words is also judged 
 
 @dataclass
 class Offer:
-    """The tools the proxy adds to one request, as OpenAI function tools."""
+    """The tools the proxy adds to one request, in the request's shape (OpenAI function tools,
+    Anthropic tools)."""
 
     tools: list[dict[str, Any]] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)  # function name -> catalog name
@@ -54,8 +56,9 @@ class Offer:
 class Judge:
     """Judges one request's texts on the engine's model thread (`executor`)."""
 
-    def __init__(self, cfg: Config, engine: Sidecar, live: LiveCatalog | None, executor: Executor, agent: str | None = None):
-        self.cfg, self.engine, self.live, self.executor = cfg, engine, live, executor
+    def __init__(self, cfg: Config, engine: Sidecar, live: LiveCatalog | None, executor: Executor, agent: str | None = None,
+                 dialect: shapes.Dialect = shapes.CHAT):  # fmt: skip
+        self.cfg, self.engine, self.live, self.executor, self.dialect = cfg, engine, live, executor, dialect
         self.session = Session(cfg.server)
         self.vectors: dict[str, Any] = {}  # each judged user stream's query vector (what learning from traffic keeps)
         self.called: list[str] = []  # catalog names of the tools the model called in this request's replies, first first
@@ -95,13 +98,13 @@ class Judge:
 
     def add(self, offer: Offer, definitions: Sequence[Mapping[str, Any]], taken: Collection[str]) -> list[dict[str, Any]]:
         """Add MCP `definitions` to `offer` (not those whose function name is in `taken` or
-        already offered); returns the function tools added."""
+        already offered); returns the tools added, in the request's shape."""
         added = []
         for d in definitions:
             fname = shapes.function_name(d["name"])
             if fname in taken or fname in offer.names:
                 continue
-            tool = shapes.function_tool(d, fname)
+            tool = self.dialect.tool(d, fname)
             offer.tools.append(tool)
             offer.names[fname] = d["name"]
             if self.runnable(d["name"]):
@@ -113,18 +116,19 @@ class Judge:
         """What to add to `body`: nothing when its tool_choice forbids; else the last user
         turn's inject (by the tier policy) and the catalog tools the conversation called."""
         offer = Offer()
-        if not shapes.adds_tools(body):
+        dialect = self.dialect
+        if not dialect.adds_tools(body):
             return offer
         messages = body["messages"]
-        taken = shapes.client_tool_names(body)
-        turns = shapes.user_turns(messages)
+        taken = dialect.client_tool_names(body)
+        turns = dialect.user_turns(messages)
         found = await self.user_turn(turns[-1], turns[-2] if len(turns) > 1 else "") if turns else []
         inject = next((inj for inj in found if self.allowed(inj)), None)
         if inject is not None:
             offer.tier, offer.probability = inject.tier, inject.probability
             self.add(offer, [t.definition for t in inject.tools], taken)
         catalog = self.engine.catalog
-        earlier = [t.definition() for n in shapes.called_names(messages) if (t := catalog.get(n)) is not None]
+        earlier = [t.definition() for n in dialect.called_names(messages) if (t := catalog.get(n)) is not None]
         self.add(offer, earlier, taken)
         return offer
 

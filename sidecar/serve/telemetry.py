@@ -86,12 +86,12 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("sidecar_proxy_requests", "Chat completion requests, by stream or not and the status answered.",
-                                ("mode", "status"), registry=r)  # fmt: skip
+        self.requests = Counter("sidecar_proxy_requests", "Requests, by API (chat: /v1/chat/completions, messages: /v1/messages), "
+                                "stream or not, and the status answered.", ("api", "mode", "status"), registry=r)  # fmt: skip
         self.tools_added = Histogram("sidecar_proxy_tools_added", "Tools the proxy added to a request (before any narration).",
                                      buckets=TOOLS_BUCKETS, registry=r)  # fmt: skip
         self.schema_tokens_sent = Counter("sidecar_proxy_schema_tokens_sent", "Tokens of the tool schemas the proxy added "
-                                          "(cl100k_base, OpenAI function shape).", registry=r)  # fmt: skip
+                                          "(cl100k_base, in the request's shape).", registry=r)  # fmt: skip
         self.schema_tokens_saved = Counter("sidecar_proxy_schema_tokens_saved", "Tokens of tool schemas not sent: the whole "
                                            "catalog's minus those added, per request.", registry=r)  # fmt: skip
         self.catalog_tokens = Gauge("sidecar_proxy_catalog_schema_tokens", "Tokens of every catalog tool's schema in one request.",
