@@ -23,9 +23,10 @@ from .config import ConfigError
 from .core.embed import EmbedError
 from .core.patterns import PatternError
 from .store import StoreError
+from .learn.writer import WriterError
 
 # Errors that are the user's to fix: one line on stderr, exit 2, no traceback.
-USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedError, StoreError, models.ProvisioningError, ValueError, OSError)
+USER_ERRORS = (ConfigError, CatalogError, PatternError, CalibrationError, EmbedError, StoreError, models.ProvisioningError, WriterError, ValueError, OSError)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -496,6 +497,93 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return asyncio.run(app.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
 
 
+def _case_sources(args: argparse.Namespace):
+    """The catalog as given (no cases filled in), its store, and the case book the pipeline
+    would fill it from."""
+    from .core import catalog as catalog_mod
+    from .core.casebook import book_for
+    from .store import open_store
+
+    cfg = _config(args, {("cases", "writer"): getattr(args, "writer", None), ("cases", "writer_model"): getattr(args, "writer_model", None)})
+    cat = catalog_mod.load(cfg.catalogs)
+    store = open_store(cfg.store)
+    return cfg, cat, store, book_for(store, cfg.cases.packs)
+
+
+def cmd_cases_write(args: argparse.Namespace) -> int:
+    from .core.casebook import CaseBook, keep, stored
+    from .core.index import MIN_OWN_CASES
+    from .learn import writer
+
+    cfg, cat, store, book = _case_sources(args)
+    if cfg.cases.writer is None:
+        raise ValueError("no case writer: pass --writer openai:URL (with --writer-model) or gguf:PATH, or set [cases] writer")
+    have = stored(store) if args.replace_packs else book
+    todo = writer.lacking(cat, (lambda t: False) if args.force else (lambda t: have.get(t) is not None), MIN_OWN_CASES)
+    if not todo:
+        print(f"every tool of the catalog has cases ({len(cat)} tools): nothing to write (--force writes them again)")
+        return 0
+    chat = writer.open_chat(cfg.cases.writer, cfg.cases.writer_model, cfg.cases.key_env, cfg.cases.timeout_s)
+    with progress.bar(len(todo), f"writing cases with {chat.spec}", enabled=not args.quiet) as bar:
+        report = writer.write_cases(todo, chat, on_tool=lambda _t: bar.update(1))
+    keep(store, report.written)
+    if args.json:
+        _print_json({"written": {t.name: {"cases": w.cases, "near_misses": w.near_misses} for t, w in report.written},
+                     "failed": {t.name: e for t, e in report.failed}, "seconds": round(report.seconds, 2), "writer": chat.spec})
+    else:
+        for tool, w in report.written:
+            print(f"{tool.name}:")
+            for case in w.cases:
+                print(f"    {case}")
+        for tool, error in report.failed:
+            print(f"failed: {error}", file=sys.stderr)
+        per = report.seconds / max(1, len(todo))
+        print(f"wrote cases for {len(report.written)} of {len(todo)} tools in {report.seconds:.1f} s ({per:.1f} s a tool); "
+              f"{len(report.failed)} failed (those keep their descriptions alone); kept in {store.location}")
+    store.close()
+    return 1 if report.failed and not report.written else 0
+
+
+def cmd_cases_show(args: argparse.Namespace) -> int:
+    from .core.index import MIN_OWN_CASES
+
+    cfg, cat, store, book = _case_sources(args)
+    tools = list(cat)
+    if args.tool:
+        tools = [t for t in cat if t.name == args.tool or t.bare_name == args.tool]
+        if not tools:
+            raise ValueError(f"{args.tool!r} is not a tool of the catalog")
+    rows = []
+    for tool in tools:
+        written = book.get(tool)
+        own = list(tool.cases or ())
+        used = written is not None and len(own) < MIN_OWN_CASES
+        source = "catalog" if len(own) >= MIN_OWN_CASES else (written.origin if used else "description only")
+        rows.append({"tool": tool.name, "source": source, "cases": own + (list(written.cases) if used else []),
+                     "near_misses": list(written.near_misses) if used else [], "indexed": source == "catalog" or (used and cfg.cases.fill)})
+    store.close()
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not args.tool:
+        for r in rows:
+            print(f"{r['tool']:<48} {len(r['cases']):>3} cases  {r['source']}")
+        covered = sum(1 for r in rows if r["source"] != "description only")
+        print(f"{covered} of {len(rows)} tools have cases; `sidecar cases show TOOL` lists them, `sidecar cases write` writes the rest")
+        if not cfg.cases.fill:
+            print("[cases] fill = false: the index ranks on the catalog's own cases and descriptions alone")
+        return 0
+    for r in rows:
+        print(f"{r['tool']} ({r['source']}):")
+        for case in r["cases"]:
+            print(f"    {case}")
+        if r["near_misses"]:
+            print("  near misses (the same nouns, no call for it):")
+            for case in r["near_misses"]:
+                print(f"    {case}")
+    return 0
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
     for name in names:
@@ -666,6 +754,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-narration", choices=("restart", "annotate", "off"), help="a reply narrating a tool it was not given: send the request "
                    "again with it (restart), name it in the stream (annotate, the default), or nothing (off)")
     p.set_defaults(func=cmd_proxy)
+
+    cases = sub.add_parser("cases", help="example requests for tools whose catalog ships none: show them, or have an LLM write them").add_subparsers(
+        dest="cases_command", required=True)  # fmt: skip
+    p = cases.add_parser("show", help="each tool's cases and where they come from (catalog, a shipped pack, a writer); TOOL: its cases")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("tool", nargs="?", help="a tool's name (server__tool or as its server names it)")
+    p.set_defaults(func=cmd_cases_show)
+    p = cases.add_parser("write", help="have an LLM write cases for the tools that have none, kept in the store by tool content")
+    _common(p)
+    p.add_argument("--writer", metavar="SPEC", help="openai:URL (an OpenAI-compatible API; key from $OPENAI_API_KEY) or gguf:PATH (a local chat model)")
+    p.add_argument("--writer-model", metavar="NAME", help="the model an openai: writer asks for")
+    p.add_argument("--force", action="store_true", help="write again for tools that already have written cases")
+    p.add_argument("--replace-packs", action="store_true", help="write for tools a shipped pack covers too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cases_write)
 
     model = sub.add_parser("model", help="provision embedding models").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("pull", help=f"fetch and verify a known model into the model dir, and quantise it ({', '.join(models.PULLED_QUANTS)})")

@@ -78,6 +78,28 @@ class IndexConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"index.top_k={self.top_k} must be within 1..100")
 
 
+class CasesConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Example requests for tools whose catalog ships none (sidecar/core/casebook.py)."""
+
+    # Add written cases (packs, and what `sidecar cases write` kept in the store) to tools with
+    # fewer than five of their own; false: descriptions alone
+    fill: bool = False
+    packs: bool = True  # the case packs shipped for widely used MCP servers (matched by tool content)
+    # Who writes cases for tools no pack covers (`sidecar cases write`): "openai:URL" (any
+    # OpenAI-compatible chat API; the key from the environment variable `key_env`) or
+    # "gguf:PATH" (a local chat model through llama-cpp-python); none: no writer
+    writer: str | None = None
+    writer_model: str | None = None  # the model name an OpenAI-compatible API is asked for
+    key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 60.0  # per tool
+
+    def __post_init__(self) -> None:
+        if self.writer is not None and not self.writer.startswith(("openai:", "gguf:")):
+            raise ValueError(f"cases.writer={self.writer!r} must be 'openai:URL' or 'gguf:PATH'")
+        if not 1 <= self.timeout_s <= 600:
+            raise ValueError(f"cases.timeout_s={self.timeout_s} must be within 1..600")
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     """`sidecar serve`: where it listens, who may connect, and the limits that keep one
     misbehaving client from costing the others."""
@@ -336,6 +358,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     gate: GateConfig = msgspec.field(default_factory=GateConfig)
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    cases: CasesConfig = msgspec.field(default_factory=CasesConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     recommend: RecommendConfig = msgspec.field(default_factory=RecommendConfig)
     cascade: CascadeConfig = msgspec.field(default_factory=CascadeConfig)

@@ -25,12 +25,13 @@ from . import models
 from . import patterns as patterns_mod
 from .. import progress as progress_mod
 from .arguments import SymbolicIndex
+from .casebook import CaseBook, book_for
 from .cases import Strategy
 from .catalog import Catalog
 from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
-from .index import ToolIndex
+from .index import MIN_OWN_CASES, ToolIndex
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
@@ -110,6 +111,7 @@ class Pipeline:
         examples: Examples | None = None,
         progress: bool = False,
         self_fit: bool = False,
+        casebook: CaseBook | None = None,
     ):
         self.embedder = embedder
         self.queries = QueryCache(query_cache)
@@ -125,13 +127,17 @@ class Pipeline:
         self.examples = examples  # labelled requests a classifier over own cases learns from too
         self.self_fit = self_fit  # a catalog with own cases fits its own ranker and gate (sidecar/learn/selffit.py)
         self.own: dict[str, OwnFit] = {}  # by index strategy
+        self.casebook = casebook  # written cases for tools whose catalog ships none (core/casebook.py)
         self.learned: Learned | None = None  # what user turns taught (sidecar/learn/traffic.py): applied to user texts
         self.indexes: dict[str, ToolIndex] = {}
         self.reindex(catalog, progress=progress)
 
     def reindex(self, catalog: Catalog, persist: bool = True, progress: bool = False) -> dict[str, ToolIndex]:
         """(Re)build one index per distinct strategy, embedding only what changed (and, with
-        `persist`, keeping it in the store). `progress`: bars on stderr while it embeds."""
+        `persist`, keeping it in the store). `progress`: bars on stderr while it embeds. Tools
+        with too few cases of their own get the case book's first."""
+        if self.casebook is not None:
+            catalog = self.casebook.fill(catalog, MIN_OWN_CASES)
         built: dict[str, ToolIndex] = {}
         for strategy in dict.fromkeys(self.strategies.values()):
             key = str(strategy)
@@ -445,5 +451,6 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     }
     ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
     self_fit = cfg.index.self_fit and origin == "builtin"  # a calibration file or explicit thresholds are the user's word
+    casebook = book_for(store, cfg.cases.packs) if cfg.cases.fill else None
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
-                    progress=progress, self_fit=self_fit)  # fmt: skip
+                    progress=progress, self_fit=self_fit, casebook=casebook)  # fmt: skip

@@ -1,0 +1,92 @@
+"""Written cases for tools whose catalog ships none (issue 48): the shipped packs apply by what a
+tool is, never to a changed tool; a case writer behind a real OpenAI-compatible HTTP server on
+127.0.0.1 writes once per tool into a real SQLite store, and a reply that is not the asked JSON
+is refused for that tool alone."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sidecar.core import catalog as catalog_mod
+from sidecar.core.casebook import Written, builtin, clean, tool_key
+from sidecar.learn.writer import WriterError, parse_reply
+from tests.openai_upstream import Scripted, Upstream
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CATALOGS = ROOT / "fixtures" / "catalogs"
+
+
+def sidecar(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_clean_keeps_plain_bounded_distinct_text():
+    got = clean(["  **Save** this\x00 note  ", "save THIS note", '"list my files"', "`rm -rf /`", "word " * 41, 7, "", "- a bullet"], most=4)
+    assert got == ("Save this note", "list my files", "rm -rf /", "a bullet")
+    assert len(clean([f"request {i}" for i in range(50)])) == 24
+
+
+def test_a_pack_applies_by_what_the_tool_is_and_never_to_a_changed_one():
+    single = catalog_mod.load([CATALOGS / "filesystem.json"]).get("write_file")
+    merged = catalog_mod.load([CATALOGS / "ALL.json"]).get("filesystem__write_file")
+    assert tool_key(single) == tool_key(merged)  # a server's own catalog and a merged one are the same tool
+    book = builtin()
+    written = book.get(single)
+    assert written is not None and written.origin == "pack:filesystem" and len(written.cases) >= 10
+    changed = catalog_mod.from_tools([{**single.definition(), "name": "write_file", "description": single.description + " Now also zips it."}])
+    assert book.get(changed.get("write_file")) is None
+    filled = book.fill(catalog_mod.load([CATALOGS / "filesystem.json"]), 5)
+    assert all(len(t.cases or ()) >= 10 for t in filled)
+    own = catalog_mod.load([CATALOGS / "notes.json"])  # a catalog with its own cases keeps them
+    assert book.fill(own, 5) is own
+
+
+def test_every_shipped_pack_matches_its_catalog():
+    """bench/build_packs.py --check: the packs are what the written cases and the catalogs give."""
+    out = subprocess.run([sys.executable, "bench/build_packs.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert len(builtin()) >= 600
+
+
+def test_a_reply_that_is_not_the_asked_json_is_refused():
+    ok = parse_reply('```json\n{"requests": ["save my notes", "write hello to a.txt", "store this"], "near_misses": ["what is a file?"]}\n```', "t", "w")
+    assert ok == Written(("save my notes", "write hello to a.txt", "store this"), ("what is a file?",), "w")
+    for bad in ("Sure! Here are some requests: save my notes", '{"cases": ["a", "b", "c"]}', '{"requests": ["only one"]}', "[1, 2, 3]"):
+        with pytest.raises(WriterError, match="^t: "):
+            parse_reply(bad, "t", "w")
+
+
+def test_cases_write_asks_an_openai_compatible_api_once_per_tool(tmp_path):
+    """Against a real HTTP server on 127.0.0.1: time.json's two tools are written, kept in the
+    store, shown as the writer's, and a second run asks nothing. A tool whose reply is prose
+    fails alone, with its name."""
+    catalog = tmp_path / "tools.json"
+    tools = catalog_mod.load([CATALOGS / "time.json"])
+    catalog.write_text(json.dumps({"server": "clock", "tools": [t.definition() for t in tools]}))  # the same tools under another server name
+    good = {"requests": ["what time is it in Tokyo", "convert 3pm Paris time to New York", "is it morning in Sydney now?"],
+            "near_misses": ["time zones are confusing"]}
+    store = str(tmp_path / "store.db")
+    with Upstream([Scripted(text=json.dumps(good)), Scripted(text="I cannot help with that.")]) as up:
+        out = sidecar("cases", "write", "--catalog", str(catalog), "--store", store, "--writer", f"openai:{up.url}",
+                      "--writer-model", "m", "--replace-packs", "-q")  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "wrote cases for 1 of 2 tools" in out.stdout
+        assert "not JSON" in out.stderr and tools.tools[1].name in out.stderr
+        assert up.requests[0].body["model"] == "m" and "get_current_time" in up.requests[0].body["messages"][1]["content"]
+        asked = len(up.requests)
+        again = sidecar("cases", "write", "--catalog", str(catalog), "--store", store, "--writer", f"openai:{up.url}",
+                        "--writer-model", "m", "--replace-packs", "-q")  # fmt: skip
+        assert again.returncode == 1 and len(up.requests) == asked + 1  # only the failed tool is asked again, and fails again
+    shown = json.loads(sidecar("cases", "show", "--catalog", str(catalog), "--store", store, "--json").stdout)
+    first = next(r for r in shown if r["tool"] == tools.tools[0].name)
+    assert first["source"] == f"openai:{up.url}" and first["cases"][0] == "what time is it in Tokyo"
+
+
+def test_cases_write_without_a_writer_says_how_to_name_one(tmp_path):
+    out = sidecar("cases", "write", "--catalog", str(CATALOGS / "time.json"), "--store", str(tmp_path / "s.db"), "--replace-packs")
+    assert out.returncode == 2 and "--writer openai:URL" in out.stderr
