@@ -3,6 +3,7 @@ alone, plain cosine and BM25 of the same run (issue 48).
 
     python bench/written_cases.py intents [--model M]   # Banking77, HWU64: no cases / written / their own (human)
     python bench/written_cases.py tau                    # tau-bench airline: each real user turn, the tools the agent then called
+    python bench/written_cases.py bfcl                   # BFCL live's real users against its 739 functions
     python bench/written_cases.py servers                # the corpus's held-out servers against ALL.json: packs off / on
     python bench/written_cases.py standin --set seal-tools|bfcl-live   # one split's requests as the tools' cases, the other judged
 
@@ -128,14 +129,24 @@ def tau_items(data: pathlib.Path) -> list[dict]:
     return out
 
 
-def tau(args, work: pathlib.Path, store: pathlib.Path) -> None:
+def _descriptions_vs_written(args, work: pathlib.Path, store: pathlib.Path, name: str, label: str, lines: list[dict]) -> None:
     print(HEADER)
-    tools = _tools(args.data / "tau-airline.catalog.json")
-    written = _written("tau-airline")
-    labeled = _write_jsonl(work / "tau.jsonl", _picked(tau_items(args.data), args.limit))
+    tools = _tools(args.data / f"{name}.catalog.json")
+    written = _written(args.written or name)
+    labeled = _write_jsonl(work / f"{name}.jsonl", _picked(lines, args.limit))
     for variant, ts in {"descriptions only": tools, "written": [{**t, "cases": written[t["name"]]["requests"]} for t in tools]}.items():
-        cat = _catalog(work / f"tau-{len(variant)}.json", ts, "airline")
-        print(_row("tau-airline user turns", variant, _eval([cat], labeled, store, args.model, True, work)), flush=True)
+        cat = _catalog(work / f"{name}-{len(variant)}.json", ts, name)
+        print(_row(label, variant, _eval([cat], labeled, store, args.model, True, work)), flush=True)
+
+
+def tau(args, work: pathlib.Path, store: pathlib.Path) -> None:
+    _descriptions_vs_written(args, work, store, "tau-airline", "tau-airline user turns", tau_items(args.data))
+
+
+def bfcl(args, work: pathlib.Path, store: pathlib.Path) -> None:
+    """BFCL live's real users against its whole catalog of 739 functions."""
+    lines = [json.loads(x) for x in (args.data / "bfcl-live.jsonl").open()]
+    _descriptions_vs_written(args, work, store, "bfcl-live", "BFCL live, whole catalog", lines)
 
 
 def servers(args, work: pathlib.Path, store: pathlib.Path) -> None:
@@ -176,7 +187,8 @@ def standin(args, work: pathlib.Path, store: pathlib.Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("intents", "tau", "servers", "standin"))
+    ap.add_argument("what", choices=("intents", "tau", "bfcl", "servers", "standin"))
+    ap.add_argument("--written", help="tau, bfcl: the written cases of fixtures/cases/sets/WRITTEN.json (default: the set's own name)")
     ap.add_argument("--set", choices=("seal-tools", "bfcl-live"), default="seal-tools")
     ap.add_argument("--model")
     ap.add_argument("--data", type=pathlib.Path, default=ROOT.parent / "shared" / "data")
@@ -187,7 +199,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         store = args.store or work / "store.db"
-        {"intents": intents, "tau": tau, "servers": servers, "standin": standin}[args.what](args, work, store)
+        {"intents": intents, "tau": tau, "bfcl": bfcl, "servers": servers, "standin": standin}[args.what](args, work, store)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ class CasesConfig(msgspec.Struct, forbid_unknown_fields=True):
     timeout_s: float = 60.0  # per tool
 
     def __post_init__(self) -> None:
-        if self.writer is not None and not self.writer.startswith(("openai:", "gguf:")):
-            raise ValueError(f"cases.writer={self.writer!r} must be 'openai:URL' or 'gguf:PATH'")
+        if self.writer is not None and not (self.writer == "openai" or self.writer.startswith(("openai:", "gguf:"))):
+            raise ValueError(f"cases.writer={self.writer!r} must be 'openai:URL', 'openai' (the proxy's upstream) or 'gguf:PATH'")
+        if self.writer is not None and self.writer.startswith("openai") and not self.writer_model:
+            raise ValueError("cases.writer_model is needed with an openai writer: the model the API is asked for")
         if not 1 <= self.timeout_s <= 600:
             raise ValueError(f"cases.timeout_s={self.timeout_s} must be within 1..600")
 

@@ -90,3 +90,32 @@ def test_cases_write_asks_an_openai_compatible_api_once_per_tool(tmp_path):
 def test_cases_write_without_a_writer_says_how_to_name_one(tmp_path):
     out = sidecar("cases", "write", "--catalog", str(CATALOGS / "time.json"), "--store", str(tmp_path / "s.db"), "--replace-packs")
     assert out.returncode == 2 and "--writer openai:URL" in out.stderr
+
+
+def test_serve_writes_cases_in_the_background_and_reindexes_with_them(tmp_path):
+    """A real `sidecar serve` with a writer: it answers at once, then writes cases for the tools no
+    pack covers (here time.json's, their descriptions changed) through a real HTTP server on
+    127.0.0.1, keeps them in its store and reindexes; `cases show` then names the writer."""
+    import sqlite3
+    import time as time_mod
+
+    from tests.conftest import serve_process
+
+    tools = [{**t.definition(), "description": t.description + " (self-hosted)"} for t in catalog_mod.load([CATALOGS / "time.json"])]
+    catalog = tmp_path / "clock.json"
+    catalog.write_text(json.dumps({"server": "clock", "tools": tools}))
+    reply = {"requests": ["what time is it in Lagos", "current time in Oslo please", "is it late in Tokyo right now?"], "near_misses": []}
+    store = tmp_path / "store.db"
+    with Upstream([Scripted(text=json.dumps(reply))]) as up:
+        config = tmp_path / "sidecar.toml"
+        config.write_text(f'[cases]\nfill = true\nwriter = "openai:{up.url}"\nwriter_model = "m"\n')
+        with serve_process(["--config", str(config), "--catalog", str(catalog), "--store", str(store), "--model", "all-minilm-l6-v2"], tmp_path) as served:
+            deadline = time_mod.monotonic() + 120
+            while "reindexed" not in served.log_text() and time_mod.monotonic() < deadline:
+                time_mod.sleep(0.5)
+            assert "2 of 2 tools written" in served.log_text(), served.log_text()[-2000:]
+        assert len(up.requests) == 2
+    rows = sqlite3.connect(store).execute("SELECT writer FROM written_cases").fetchall()
+    assert rows == [(f"openai:{up.url}",)] * 2
+    shown = json.loads(sidecar("cases", "show", "--config", str(config), "--catalog", str(catalog), "--store", str(store), "--json").stdout)
+    assert [r["source"] for r in shown] == [f"openai:{up.url}"] * 2 and all(r["indexed"] for r in shown)

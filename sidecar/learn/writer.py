@@ -127,6 +127,8 @@ def open_chat(spec: str, model: str | None, key_env: str, timeout_s: float) -> C
     """The writer a `[cases] writer` spec names."""
     kind, _, where = spec.partition(":")
     if kind == "openai":
+        if not where:
+            raise WriterError("a bare 'openai' writer names `sidecar proxy`'s upstream; elsewhere give openai:URL")
         if not model:
             raise WriterError("cases.writer_model is needed with an openai: writer (the model the API is asked for)")
         return OpenAIChat(where, model, os.environ.get(key_env), timeout_s)

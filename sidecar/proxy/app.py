@@ -35,6 +35,7 @@ from .. import __version__
 from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar
+from ..serve.casewriting import start_case_writing
 from ..serve.learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
@@ -519,6 +520,7 @@ class ProxyServer:
         self.http = None
         self._serving: asyncio.Task | None = None
         self._sock: socket.socket | None = None
+        self.case_writing = None  # [cases] writer: cases written while serving (serve/casewriting.py)
 
     async def start(self) -> None:
         """Bind (a busy port fails here, before anything loads), load, then serve: connections
@@ -541,6 +543,7 @@ class ProxyServer:
         if self.cfg.learn.traffic and self.engine.store is not None:
             self.app.learner = Learner(self.engine, self.cfg.learn)
             self.app.learner.refit()  # what earlier runs recorded, in the background
+        self.case_writing = start_case_writing(self.engine, self.cfg, self.executor, None, upstream=self.cfg.proxy.upstream)
         for dialect in (shapes.CHAT, shapes.MESSAGES):
             await self.app.catalog_tokens(dialect)
         import uvicorn
@@ -579,6 +582,8 @@ class ProxyServer:
                     await asyncio.wait_for(self.app.learner.drain(due=False), self.cfg.server.shutdown_timeout_s)
                 self.app.learner.close()
             await self.app.aclose()
+        if self.case_writing is not None:
+            self.case_writing.close()
         if self.live is not None:
             self.live.close()
         if self.manager is not None:

@@ -59,6 +59,7 @@ from ..core.index import PRIMARY_CHARS
 from ..mcp.config import McpConfig
 from ..mcp.connections import ConnectionManager
 from ..mcp.live import LiveCatalog, go_live
+from .casewriting import CaseWriting, start_case_writing
 from .pending import Pending
 from .learner import Learner
 from ..learn.traffic import Turns
@@ -304,6 +305,7 @@ class SidecarServer:
         self._servers: ConnectionManager | None = None
         self.limits = cfg.server
         self.engine: Sidecar | None = None
+        self.case_writing: CaseWriting | None = None  # [cases] writer: cases written while serving
         self.learner: Learner | None = None  # learning from traffic ([learn] traffic), set with the engine
         self._given = engine
         self.catalog = catalog
@@ -404,6 +406,7 @@ class SidecarServer:
         if self.cfg.learn.traffic and engine.store is not None:
             self.learner = Learner(engine, self.cfg.learn, self.metrics)
             self.learner.refit()  # what earlier runs recorded, in the background
+        self.case_writing = start_case_writing(engine, self.cfg, self._worker, self._indexer)
         self.engine = engine  # last: a non-None engine means ready
 
     async def _rollups(self) -> None:
@@ -823,6 +826,8 @@ class SidecarServer:
         if self.learner is not None:
             await asyncio.wait_for(self.learner.drain(due=False), max(0.1, deadline - time.monotonic()))
             self.learner.close()
+        if self.case_writing is not None:
+            self.case_writing.close()
         for t in self._tasks:
             t.cancel()
         for c in list(self.connections.values()):
