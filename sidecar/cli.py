@@ -299,7 +299,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     engine = Sidecar.open(_config(args), progress=not args.quiet, history=False)  # a labelled set has no call history
     items = evaluate.read_labeled(args.labeled, engine.catalog)
     scored = evaluate.score(engine, items, bar=progress.bar(len(items) + sum(i.positive for i in items), "evaluating", not args.quiet))
-    report = evaluate.report(engine, items, scored)
+    report = evaluate.report(engine, items, scored, progress=not args.quiet)
     if args.items:
         rows = evaluate.outcomes(items, scored)
         with open(args.items, "wb") as out:
