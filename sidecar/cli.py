@@ -394,7 +394,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ranker = fitted.calibration.ranker
         _print_json({"calibration": fitted.calibration.thresholds, "ranker": {"weights": ranker.weights, "adapter": ranker.adapter is not None},
                      "objective": fitted.objective,
-                     "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds,
+                     "fit": fitted.fit, "heldout": fitted.heldout, "before": fitted.before, "before_origin": fitted.before_origin,
+                     "seconds": fitted.seconds,
                      "start": fitted.start, "starts": fitted.starts, **({"matrix": matrix} if matrix is not None else {})})  # fmt: skip
     else:
         print(tune.describe(fitted))

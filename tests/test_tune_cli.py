@@ -307,6 +307,17 @@ def test_tune_reports_the_held_out_part_beside_baselines_eval_agrees_with(labele
     assert (h["cosine_top1"], h["bm25_top1"]) == pytest.approx((base["cosine"], base["bm25"]))
     assert 0.5 < h["simple_auroc"] <= 1  # fitted on 21 texts, it still separates better than chance
 
+    # beside it, the same texts judged by the calibration in force before the tune (the
+    # model's built-in here): what `eval` gives them without --calibration
+    before = json.loads(run.stdout)["before"]
+    assert json.loads(run.stdout)["before_origin"] == "builtin" and before["n"] == h["n"]
+    ev = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", held, tmp_path=tmp_path)
+    assert ev.returncode == 0, ev.stderr
+    out = json.loads(ev.stdout)
+    assert out["thresholds_origin"] == "builtin"
+    assert (before["tp_rate"], before["fp_rate"], before["auroc"], before["correct_rate"], before["top1"]) == pytest.approx(
+        (out["gate"]["tp_rate"], out["gate"]["fp_rate"], out["gate"]["auroc"], out["gate"]["correct_rate"], out["ranking"]["top1"]))
+
 
 def test_simple_gate_chooses_its_penalty_out_of_fold_and_separates_what_is_separable():
     import numpy as np
