@@ -300,7 +300,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     engine = Sidecar.open(_config(args), progress=not args.quiet, history=False)  # a labelled set has no call history
     items = evaluate.read_labeled(args.labeled, engine.catalog)
     scored = evaluate.score(engine, items, bar=progress.bar(len(items) + sum(i.positive for i in items), "evaluating", not args.quiet))
-    report = evaluate.report(engine, items, scored)
+    report = evaluate.report(engine, items, scored, progress=not args.quiet)
     if args.items:
         rows = evaluate.outcomes(items, scored)
         with open(args.items, "wb") as out:
@@ -395,7 +395,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         ranker = fitted.calibration.ranker
         _print_json({"calibration": fitted.calibration.thresholds, "ranker": {"weights": ranker.weights, "adapter": ranker.adapter is not None},
                      "objective": fitted.objective,
-                     "fit": fitted.fit, "heldout": fitted.heldout, "seconds": fitted.seconds,
+                     "fit": fitted.fit, "heldout": fitted.heldout, "before": fitted.before, "before_origin": fitted.before_origin,
+                     "seconds": fitted.seconds,
                      "start": fitted.start, "starts": fitted.starts, **({"matrix": matrix} if matrix is not None else {})})  # fmt: skip
     else:
         print(tune.describe(fitted))

@@ -379,3 +379,22 @@ def test_a_shared_threshold_is_one_bar_for_both_paths_within_the_budget():
     tighter = tune.fit_gate(s, tune.Objective("max_tp", 0.01))
     assert tighter.fp_rate <= 0.01 and tighter.tp_rate <= shared.tp_rate
     assert t.confirm <= t.auto <= 1.0
+
+
+def test_tune_shows_the_held_out_part_beside_the_calibration_it_replaces():
+    """The held-out table: one row a method on the same texts, this tune's beside the one in
+    force before it and the baselines, each figure in its column ("–" where a method has none)."""
+    import types
+
+    after = tune.Heldout(0.8, 0.033, 0.9, 0.7, 227, top1=0.75, mrr=0.8, auroc=0.977, cosine_auroc=0.895, simple_auroc=0.93, cosine_top1=0.6, bm25_top1=0.55)
+    before = tune.Heldout(0.785, 0.141, 0.85, 0.65, 227, top1=0.74, mrr=0.79, auroc=0.913)
+    lines = tune.heldout_table(types.SimpleNamespace(heldout=after, before=before, before_origin="builtin"))
+    assert lines[0].startswith("  held out (227 items, never fitted")
+    cells = {line.split("  ")[2].strip(): line.split() for line in lines[2:]}
+    assert list(cells) == ["this tune", "before this tune (built-in)", "plain cosine (one threshold)",
+                           "logistic regression on the embedding and cosine", "BM25"]  # fmt: skip
+    assert cells["this tune"][-6:] == ["80.0%", "3.3%", "0.977", "70.0%", "75.0%", "0.800"]
+    assert cells["before this tune (built-in)"][-6:] == ["78.5%", "14.1%", "0.913", "65.0%", "74.0%", "0.790"]
+    assert cells["plain cosine (one threshold)"][-6:] == ["–", "–", "0.895", "–", "60.0%", "–"]
+    lines = tune.heldout_table(types.SimpleNamespace(heldout=after, before=None, before_origin=""))
+    assert not any("before this tune" in line for line in lines)

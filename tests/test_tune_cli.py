@@ -307,6 +307,17 @@ def test_tune_reports_the_held_out_part_beside_baselines_eval_agrees_with(labele
     assert (h["cosine_top1"], h["bm25_top1"]) == pytest.approx((base["cosine"], base["bm25"]))
     assert 0.5 < h["simple_auroc"] <= 1  # fitted on 21 texts, it still separates better than chance
 
+    # beside it, the same texts judged by the calibration in force before the tune (the
+    # model's built-in here): what `eval` gives them without --calibration
+    before = json.loads(run.stdout)["before"]
+    assert json.loads(run.stdout)["before_origin"] == "builtin" and before["n"] == h["n"]
+    ev = _cli("eval", "--json", "--model", models.SMALL_MODEL, "--catalog", NOTES, "--labeled", held, tmp_path=tmp_path)
+    assert ev.returncode == 0, ev.stderr
+    out = json.loads(ev.stdout)
+    assert out["thresholds_origin"] == "builtin"
+    assert (before["tp_rate"], before["fp_rate"], before["auroc"], before["correct_rate"], before["top1"]) == pytest.approx(
+        (out["gate"]["tp_rate"], out["gate"]["fp_rate"], out["gate"]["auroc"], out["gate"]["correct_rate"], out["ranking"]["top1"]))
+
 
 def test_simple_gate_chooses_its_penalty_out_of_fold_and_separates_what_is_separable():
     import numpy as np
@@ -463,3 +474,41 @@ def test_tune_compares_every_strategy_of_the_design_first(tmp_path):
     best = max((r["tp_rate"], r["top1"]) for r in feasible)
     (winner,) = [r for r in rows.values() if r["winner"]]
     assert (winner["tp_rate"], winner["top1"]) == best and winner["pareto"]
+
+
+def test_eval_embeds_each_text_once_for_every_figure_and_shows_what_follows_its_bar(labeled, tmp_path, capsys):
+    """`eval` judges every text (one embedding each, which its latency figure times) and
+    computes the baselines on those same vectors: a text is sent to the model once for all
+    it prints (twice before: the baselines embedded every text again, ~3 of the 5 silent
+    minutes after the bar on the README's quality row). What the baselines still embed, the
+    tools' whole descriptions, shows a bar."""
+    from collections import Counter
+
+    from sidecar import config
+    from sidecar.core.pipeline import from_config
+    from sidecar.engine import Sidecar
+    from sidecar.lab import evaluate
+
+    cfg = config.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("store",): str(tmp_path / "fresh.db"), ("catalogs",): [NOTES]})
+    pipe = from_config(cfg, progress=False, calibration=False)  # no gate head to weigh the negative patterns: they block
+    engine = Sidecar(cfg, pipe, pipe.store, None)
+    items = evaluate.read_labeled(labeled, engine.catalog)
+    sent: Counter[str] = Counter()
+    embed = engine.pipeline.embedder.embed
+
+    def counted(texts, kind="query", bulk=False):
+        if kind == "query":
+            sent.update(texts)
+        return embed(texts, kind, bulk)
+
+    engine.pipeline.embedder.embed = counted
+    capsys.readouterr()
+    scored = evaluate.score(engine, items)
+    blocked = [i.text for i, v in zip(items, scored.vectors) if v is None]
+    report = evaluate.report(engine, items, scored, progress=True)
+    err = capsys.readouterr().err
+    texts = {i.text for i in items}
+    assert {t: sent[t] for t in texts} == dict.fromkeys(texts, 1), "every text embedded once as a query"
+    assert blocked, "the set holds texts a negative pattern blocks unembedded: ranked all the same, and counted above"
+    assert f"embedding {len(engine.catalog)} tool descriptions for the plain-cosine baseline" in err
+    assert 0.5 <= report.gate_baseline.auroc <= 1 and {b.kind for b in report.baselines} == {"cosine", "bm25", "tfidf"}

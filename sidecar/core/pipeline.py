@@ -68,6 +68,19 @@ class QueryCache:
     def __len__(self) -> int:
         return len(self._lru) if self.size else 0
 
+    def keep(self, embedder: Embedder, texts: Sequence[str], vectors: np.ndarray) -> None:
+        """Hold `embedder`'s vectors of `texts`, embedded elsewhere (`tune` embeds its whole set
+        at once), for the texts judged next; not counted as hits or misses, and their truncation
+        is not known (False)."""
+        if not self.size:
+            return
+        with self._lock:
+            if self._model != embedder.identity:
+                self._lru.clear()
+                self._model = embedder.identity
+            for t, v in zip(texts, vectors):
+                self._lru[t] = (np.array(v, np.float32), False)
+
     def embed(self, embedder: Embedder, texts: Sequence[str]) -> Embedded:
         """`embedder.embed(texts, "query")`, embedding only texts neither cached nor repeated
         earlier in `texts`; rows are copies, so a cached vector never pins a whole batch."""

@@ -288,16 +288,35 @@ class GateBaseline(msgspec.Struct):
     best_balanced_accuracy: float
 
 
-def description_vectors(pipe) -> np.ndarray:
+def description_vectors(pipe, progress: bool = False) -> np.ndarray:
     """(tools, dim): each tool's description embedded as a document with the same model, and
-    nothing else (no cases, no name words): what plain cosine compares a text with."""
+    nothing else (no cases, no name words): what plain cosine compares a text with. Whole
+    descriptions, so the first time a catalog takes minutes (ALL.json's 605 with nomic: ~5 on
+    these 2 cores): `progress` shows a bar on stderr while any are embedded (the store keeps them)."""
     from ..core.index import embed_cached
 
     descriptions = [(t.description or "").strip() or t.name for t in pipe.catalog]
     if not descriptions:
         return np.zeros((0, pipe.embedder.dim), np.float32)
-    docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document")
+    label = f"embedding {len(set(descriptions))} tool descriptions for the plain-cosine baseline" if progress else None
+    docs, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(descriptions)), "document", progress=label)
     return np.vstack([docs[x] for x in descriptions])
+
+
+def query_vectors(pipe, items: Sequence[Labeled], vectors: Sequence[np.ndarray | None] | None = None, progress: bool = False) -> np.ndarray:
+    """(items, dim): each item's text embedded as a query by the pipeline's model. `vectors`:
+    what judging the items made (`Scored.vectors`), so a text is embedded once for every
+    figure. A text judged without one (a negative pattern blocked it, the screen settled it)
+    was still ranked (`score` ranks every item), which left its vector in the pipeline's
+    query cache: it is read from there, embedded only where the cache no longer has it."""
+    from .. import progress as progress_mod
+
+    known = {i.text: v for i, v in zip(items, vectors or ()) if v is not None}
+    missing = [t for t in dict.fromkeys(i.text for i in items) if t not in known]
+    if missing:
+        with progress_mod.slow_step(f"embedding {len(missing)} texts judged without a vector, for the baselines", progress):
+            known.update(zip(missing, pipe.queries.embed(pipe.embedder, missing).vectors))
+    return np.vstack([known[i.text] for i in items]) if items else np.zeros((0, pipe.embedder.dim), np.float32)
 
 
 def simple_gate_features(cosines: np.ndarray, vectors: np.ndarray) -> np.ndarray:
@@ -351,21 +370,25 @@ def each_offer(host, items: Sequence[Labeled]):
         yield (host if offered is None else host.with_catalog(offered, persist=False)), at
 
 
-def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[BaselineReport], GateBaseline, dict[int, list[str]]]:
+def baselines(pipe, items: Sequence[Labeled], k: int = 10, vectors: Sequence[np.ndarray | None] | None = None,
+              progress: bool = False) -> tuple[list[BaselineReport], GateBaseline, dict[int, list[str]]]:  # fmt: skip
     """The simplest rankings, same run, same items: plain cosine of the text against each
     tool's description with the same model, BM25 and TF-IDF over name, description and
-    parameter names; each item against the tools it is judged against."""
-    from ..core.index import embed_cached
+    parameter names; each item against the tools it is judged against. `vectors`: the items'
+    query vectors judging made (`query_vectors`); `progress`: bars on stderr for what takes time."""
+    from .. import progress as progress_mod
     from ..core.lexical import LexicalIndex
 
     names = np.asarray([t.name for t in pipe.catalog])
     column = {n: j for j, n in enumerate(names)}
-    queries, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(i.text for i in items)), "query")
-    sims = np.vstack([queries[i.text] for i in items]) @ description_vectors(pipe).T
+    sims = query_vectors(pipe, items, vectors, progress) @ description_vectors(pipe, progress).T
     best = np.full(len(items), -1.0)  # nothing to compare with: the lowest score
     cosine: dict[int, list[str]] = {}
     lexical: dict[str, dict[int, list[str]]] = {"bm25": {}, "tfidf": {}}
-    for offered, at in offers(items, pipe.catalog).items():
+    groups = offers(items, pipe.catalog)
+    shown = progress_mod.bar(len(items), "baselines: plain cosine, BM25 and TF-IDF", progress and len(groups) > 1)
+    for offered, at in groups.items():
+        shown.update(len(at))
         tools = pipe.catalog if offered is None else offered
         cols = np.asarray([column[t.name] for t in tools], int)
         if not len(cols):
@@ -382,6 +405,7 @@ def baselines(pipe, items: Sequence[Labeled], k: int = 10) -> tuple[list[Baselin
     pos = np.array([i.positive for i in items])
     cuts = np.unique(best)
     balanced = max((((best[pos] >= c).mean() if pos.any() else 0) + ((best[~pos] < c).mean() if (~pos).any() else 0)) / 2 for c in cuts)
+    shown.close()
     gate = GateBaseline(auroc(best[pos], best[~pos]), float(balanced))
     out = [BaselineReport("cosine", ranking_report(positives, in_order(cosine)))]
     out += [BaselineReport(kind, ranking_report(positives, in_order(ranked))) for kind, ranked in lexical.items()]
@@ -397,6 +421,7 @@ class Scored(msgspec.Struct):
     ranker: list[list[str]]  # positives only, in item order
     ranked: list[list[str]]  # positives only: what would be injected, best first
     injected: list[list[str]] = []  # every item: the tools `serve` would inject (none where the gate is silent)
+    vectors: list = []  # every item: its text's query vector as judged (None: blocked by a pattern, or settled by the screen)
 
 
 def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batch: int = 16) -> Scored:
@@ -413,13 +438,14 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
     ranker: dict[int, list[str]] = {}
     ranked: dict[int, list[str]] = {}
     injected: list[list[str]] = [[] for _ in items]
+    vectors: list[np.ndarray | None] = [None] * len(items)
     margin, most = engine.cfg.server.inject_margin, engine.cfg.server.max_inject_tools
     for own, at in each_offer(engine, items):
         for lo in range(0, len(at), batch):
             chunk = at[lo : lo + batch]
             requests = [Request(items[j].text, items[j].source) for j in chunk]
             for j, request, judgement in zip(chunk, requests, own.judge(requests, top=k, rank_silent=True)):
-                decisions[j] = judgement.decision
+                decisions[j], vectors[j] = judgement.decision, judgement.vector
                 tools = [r.tool for r in judgement.ranked.results]
                 first[j] = tools[0] if tools else None  # injected first, or would be had the gate fired
                 injected[j] = [r.tool for r in judgement.inject(margin, most)]
@@ -430,16 +456,17 @@ def score(engine: Sidecar, items: Sequence[Labeled], k: int = 10, bar=None, batc
                 tick(len(chunk) + sum(items[j].positive for j in chunk))
     if bar is not None:
         bar.close()
-    return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)], injected)  # type: ignore[arg-type]
+    return Scored(decisions, first, [ranker[j] for j in sorted(ranker)], [ranked[j] for j in sorted(ranked)], injected, vectors)  # type: ignore[arg-type]
 
 
-def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 10) -> Report:
+def report(engine: Sidecar, items: Sequence[Labeled], scored: Scored, k: int = 10, progress: bool = False) -> Report:
     """Gate figures over every item; ranking figures over the positives: what the sidecar
-    injects first, the ranker alone, and the baselines of `baselines`."""
+    injects first, the ranker alone, and the baselines of `baselines` (on the vectors judging
+    made: each text is embedded once). `progress`: bars on stderr while baselines embed."""
     pipe = engine.pipeline
     positives = [i for i in items if i.positive]
     decisions = scored.decisions
-    base, gate_base, cosine = baselines(pipe, items, k)
+    base, gate_base, cosine = baselines(pipe, items, k, scored.vectors, progress)
     with_calls = [j for j, i in enumerate(items) if i.calls]
     sets, set_base = None, {}
     if with_calls:

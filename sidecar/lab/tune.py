@@ -211,6 +211,8 @@ class Fitted(msgspec.Struct):
     seconds: float
     start: str = "none"  # what the gate head started from (see `_starts`)
     starts: dict[str, float] = {}  # each start tried: the objective's out-of-fold value
+    before: Heldout | None = None  # the same held-out part judged by the calibration in force before this tune
+    before_origin: str = ""  # where that came from: "builtin", "calibration" (the config's file), "uncalibrated"
 
 
 MAX_EXEMPLARS = 1000  # per class: bounds the calibration file (float16) and the per-text cost
@@ -244,8 +246,7 @@ def fit(
     if pos.sum() < MIN_POSITIVES or (~pos).sum() < MIN_NEGATIVES:
         raise ValueError(f"need at least {MIN_POSITIVES} positives and {MIN_NEGATIVES} negatives to fit the gate")
     pipe = from_config(cfg, catalog=catalog, store=store, progress=progress is not None, calibration=False)
-    say(f"{pipe.embedder.name}: embedding {len(items)} texts (cached in the store)")
-    vectors = query_vectors(pipe, [i.text for i in items])
+    vectors = query_vectors(pipe, [i.text for i in items], progress is not None)
     requests = [Request(i.text, i.source) for i in fit_items]
     q = vectors[fit_idx]
     routes = [route(r.text, r.source, pipe.patterns, weigh_negatives=True) for r in requests]
@@ -348,23 +349,40 @@ def fit(
     examples = _examples(fit_items, q, catalog)
     cal = Calibration(pipe.embedder.name, fitted.thresholds, pipe.embedder.prefixes is not None,
                       str(pipe.strategies["user"]), str(pipe.strategies["llm"]), ranker, head, examples)  # fmt: skip
-    heldout = Heldout(math.nan, math.nan, math.nan, math.nan, 0)
+    heldout, before, before_origin = Heldout(math.nan, math.nan, math.nan, math.nan, 0), None, ""
     if held_idx:
+        held = [items[i] for i in held_idx]
+        simple = simple_gate(simple_gate_features(offers.only_offered(q @ description_vectors(pipe, progress is not None).T), q), y, folds)
         say(f"judging the {len(held_idx)} held-out texts on an engine built from the calibration, and the baselines")
-        engine = Sidecar(cfg, from_config(cfg, catalog=catalog, store=store, progress=False, calibration=cal, embedder=pipe.embedder), store, None)
-        simple = simple_gate(simple_gate_features(offers.only_offered(q @ description_vectors(pipe).T), q), y, folds)
-        heldout = judge_heldout(engine, [items[i] for i in held_idx], vectors[held_idx], simple)
-    return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0, chosen.name, tried)
+        heldout = judge_heldout(_engine(cfg, catalog, store, pipe, cal, held, vectors[held_idx]), held, vectors[held_idx], simple)
+        old = _engine(cfg, catalog, store, pipe, True, held, vectors[held_idx])  # the config's calibration file, else the built-in
+        before_origin = old.pipeline.thresholds_origin
+        say(f"judging them on the calibration in force before this tune ({before_origin})")
+        before = judge_heldout(old, held)
+    return Fitted(cal, str(objective), fitted, heldout, scores, len(fit_idx), time.perf_counter() - t0, chosen.name, tried, before, before_origin)
 
 
-def judge_heldout(engine: Sidecar, held: Sequence[Labeled], vectors: np.ndarray, simple: Callable[[np.ndarray], np.ndarray]) -> Heldout:
+def _engine(cfg: Config, catalog: Catalog, store: Store | None, pipe: Pipeline, calibration: Calibration | bool, held: Sequence[Labeled],
+            vectors: np.ndarray) -> Sidecar:  # fmt: skip
+    """An engine over `pipe`'s model with `calibration` (True: the one in force without this
+    tune), its query cache holding the held-out texts' vectors: judging them embeds nothing again."""
+    engine = Sidecar(cfg, from_config(cfg, catalog=catalog, store=store, progress=False, calibration=calibration, embedder=pipe.embedder), store, None)
+    engine.pipeline.queries.keep(pipe.embedder, [i.text for i in held], vectors)
+    return engine
+
+
+def judge_heldout(engine: Sidecar, held: Sequence[Labeled], vectors: np.ndarray | None = None,
+                  simple: Callable[[np.ndarray], np.ndarray] | None = None) -> Heldout:  # fmt: skip
     """The part never fitted, judged by `engine` as `eval` and `serve` judge (`evaluate.score`),
-    beside the baselines of the same texts: one threshold on plain cosine, the `simple` gate
-    fitted on the fit part (the texts' `vectors` are its inputs), plain cosine and BM25 rankings."""
+    with `simple` beside the baselines of the same texts: one threshold on plain cosine, the
+    `simple` gate fitted on the fit part (the texts' `vectors` are its inputs), plain cosine and
+    BM25 rankings. Without it, the engine's own figures alone (the baselines' stay NaN)."""
     scored = score(engine, held)
     g = gate_report(held, scored.decisions, scored.first)
     r = ranking_report([i for i in held if i.positive], scored.ranked)
-    ranked, cosine_gate, _ = baselines(engine.pipeline, held)
+    if simple is None or vectors is None:
+        return Heldout(g.tp_rate, g.fp_rate, g.accuracy, g.correct_rate, len(held), r.top1, r.mrr, g.auroc)
+    ranked, cosine_gate, _ = baselines(engine.pipeline, held, vectors=scored.vectors)
     base = {b.kind: b.ranking.top1 for b in ranked}
     cosines = Offers(engine.pipeline, held).only_offered(vectors @ description_vectors(engine.pipeline).T)
     p = simple(simple_gate_features(cosines, vectors))
@@ -599,8 +617,10 @@ def server_of(tool: str) -> str:
     return tool.split(SEP)[0] if SEP in tool else tool
 
 
-def query_vectors(pipe: Pipeline, texts: Sequence[str]) -> np.ndarray:
-    found, _ = embed_cached(pipe.embedder, pipe.store, list(dict.fromkeys(texts)), "query")
+def query_vectors(pipe: Pipeline, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+    distinct = list(dict.fromkeys(texts))
+    label = f"{pipe.embedder.name}: embedding {len(distinct)} texts" if progress else None  # shown only where the store lacks some
+    found, _ = embed_cached(pipe.embedder, pipe.store, distinct, "query", progress=label)
     return np.vstack([found[t] for t in texts]) if texts else np.zeros((0, pipe.embedder.dim), np.float32)
 
 
@@ -627,6 +647,8 @@ def write_calibration(fitted: Fitted, path: str | pathlib.Path) -> None:
         "objective": fitted.objective,
         "fit": msgspec.to_builtins(fitted.fit),
         "heldout": msgspec.to_builtins(fitted.heldout),
+        "before": msgspec.to_builtins(fitted.before),
+        "before_origin": fitted.before_origin,
         "start": fitted.start,
         "starts": fitted.starts,
     }
@@ -646,10 +668,29 @@ def describe(f: Fitted) -> str:
     ] + ([
         f"  gate head started from: {START_WORDS[f.start]} (out of fold, {f.objective}: "
         + ", ".join(f"{START_WORDS[n]} {v:.3f}" for n, v in f.starts.items()) + ")",
-    ] if len(f.starts) > 1 else []) + ([
-        f"  held out ({h.n} items, never fitted): TP {h.tp_rate:.1%}, FP {h.fp_rate:.1%}, accuracy {h.accuracy:.1%}, "
-        f"right tool {h.correct_rate:.1%}, ranking top1 {h.top1:.1%}, MRR {h.mrr:.3f}",
-        f"    gate AUROC {h.auroc:.3f}; baselines on the same texts: one threshold on plain cosine {h.cosine_auroc:.3f}, "
-        f"logistic regression on the embedding and plain cosine's top scores {h.simple_auroc:.3f}",
-        f"    ranking top1 {h.top1:.1%}; baselines: plain cosine {h.cosine_top1:.1%}, BM25 {h.bm25_top1:.1%}",
-    ] if h.n else []))  # fmt: skip
+    ] if len(f.starts) > 1 else []) + (heldout_table(f) if h.n else []))  # fmt: skip
+
+
+ORIGIN_WORDS = {"builtin": "built-in", "calibration": "the config's calibration file", "uncalibrated": "uncalibrated"}
+
+
+def heldout_table(f: Fitted) -> list[str]:
+    """The held-out part, one row a method on the same texts: this tune, the calibration in
+    force before it (what tuning bought), and the baselines (what any of it buys)."""
+    h, b = f.heldout, f.before
+    pct = lambda v: "–" if math.isnan(v) else f"{v:.1%}"  # noqa: E731
+    num = lambda v: "–" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
+    nan = math.nan
+    base, _, extra = f.before_origin.partition("+")
+    rows = [("this tune", h.tp_rate, h.fp_rate, h.auroc, h.correct_rate, h.top1, h.mrr)]
+    if b is not None:
+        rows.append((f"before this tune ({ORIGIN_WORDS.get(base, base)}{', config thresholds' if extra else ''})",
+                     b.tp_rate, b.fp_rate, b.auroc, b.correct_rate, b.top1, b.mrr))  # fmt: skip
+    rows += [("plain cosine (one threshold)", nan, nan, h.cosine_auroc, nan, h.cosine_top1, nan),
+             ("logistic regression on the embedding and cosine", nan, nan, h.simple_auroc, nan, nan, nan),
+             ("BM25", nan, nan, nan, nan, h.bm25_top1, nan)]  # fmt: skip
+    width = max(len(r[0]) for r in rows)
+    head = f"    {'':<{width}}  {'TP':>6}  {'FP':>6}  {'AUROC':>6}  {'right tool':>10}  {'top1':>6}  {'MRR':>6}"
+    lines = [f"  held out ({h.n} items, never fitted; each judged as eval judges it; right tool: fired with an expected tool first):", head]
+    lines += [f"    {n:<{width}}  {pct(tp):>6}  {pct(fp):>6}  {num(au):>6}  {pct(rt):>10}  {pct(t1):>6}  {num(mrr):>6}" for n, tp, fp, au, rt, t1, mrr in rows]
+    return lines

@@ -289,8 +289,8 @@ class Recommender:
         share = {"semantic": 1.0, "lexical": 0.0, "hybrid": self.cfg.semantic_share}[mode]
         sem = lex = None
         if share > 0:
-            if query_vector is None:
-                query_vector = self.pipeline.embedder.embed([query], "query").vectors[0]
+            if query_vector is None:  # through the query cache: a text the gate blocked unembedded is ranked (eval) and searched again
+                query_vector = self.pipeline.queries.embed(self.pipeline.embedder, [query]).vectors[0]
             sem = self._semantic(state, query, ctx.source, np.asarray(query_vector, np.float32))
         if share < 1:
             raw_lex = state.lexical.scores(query).astype(np.float64)
