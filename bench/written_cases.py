@@ -6,6 +6,8 @@ alone, plain cosine and BM25 of the same run (issue 48).
     python bench/written_cases.py bfcl                   # BFCL live's real users against its 739 functions
     python bench/written_cases.py servers                # the corpus's held-out servers against ALL.json: packs off / on
     python bench/written_cases.py standin --set seal-tools|bfcl-live   # one split's requests as the tools' cases, the other judged
+    python bench/written_cases.py tau --also gemma-270m --also gemma-270m-raw   # + rows for sets/<set>.LABEL.json
+    python bench/written_cases.py intents --only banking77 --also gemma-270m --limit 1000
 
 Every row is one `sidecar eval --json` in its own process on the same store (the embedding
 cache is shared, so a later row embeds only what is new). Written cases come from
@@ -87,20 +89,35 @@ def _written(name: str) -> dict:
     return json.loads((CASES / "sets" / f"{name}.json").read_text())["tools"]
 
 
+def _with(tools: list[dict], written: dict) -> list[dict]:
+    """The tools with their written requests; a tool the writer left out keeps its description alone."""
+    return [{**t, "cases": written[t["name"]]["requests"]} if t["name"] in written else t for t in tools]
+
+
+def _also(args, name: str, tools: list[dict]) -> dict[str, list[dict]]:
+    """Rows for the other written sets asked for (`--also LABEL`: fixtures/cases/sets/NAME.LABEL.json)."""
+    out = {}
+    for label in args.also or ():
+        written = _written(f"{name}.{label}")
+        out[f"written: {label} ({len(written)} of {len(tools)} tools)"] = _with(tools, written)
+    return out
+
+
 def intents(args, work: pathlib.Path, store: pathlib.Path) -> None:
     print(HEADER)
-    for name in ("banking77", "hwu64"):
+    for name in args.only or ("banking77", "hwu64"):
         tools = _tools(args.data / f"{name}.catalog.json")
         written = _written(name)
         labeled = _write_jsonl(work / f"{name}.jsonl", _picked([json.loads(x) for x in (args.data / f"{name}.test.jsonl").open()], args.limit))
         bare = [{k: v for k, v in t.items() if k != "cases"} for t in tools]
         variants = {
             "descriptions only": bare,
-            "written (no human cases)": [{**t, "cases": written[t["name"]]["requests"]} for t in bare],
+            "written (no human cases)": _with(bare, written),
+            **_also(args, name, bare),
             "their own (30 human cases a tool)": tools,
         }
-        for variant, ts in variants.items():
-            cat = _catalog(work / f"{name}-{len(variant)}.json", ts)
+        for i, (variant, ts) in enumerate(variants.items()):
+            cat = _catalog(work / f"{name}-{i}.json", ts)
             print(_row(name, variant, _eval([cat], labeled, store, args.model, True, work)), flush=True)
 
 
@@ -134,8 +151,9 @@ def _descriptions_vs_written(args, work: pathlib.Path, store: pathlib.Path, name
     tools = _tools(args.data / f"{name}.catalog.json")
     written = _written(args.written or name)
     labeled = _write_jsonl(work / f"{name}.jsonl", _picked(lines, args.limit))
-    for variant, ts in {"descriptions only": tools, "written": [{**t, "cases": written[t["name"]]["requests"]} for t in tools]}.items():
-        cat = _catalog(work / f"{name}-{len(variant)}.json", ts, name)
+    variants = {"descriptions only": tools, "written by Claude": _with(tools, written), **_also(args, args.written or name, tools)}
+    for i, (variant, ts) in enumerate(variants.items()):
+        cat = _catalog(work / f"{name}-{i}.json", ts, name)
         print(_row(label, variant, _eval([cat], labeled, store, args.model, True, work)), flush=True)
 
 
@@ -189,6 +207,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("intents", "tau", "bfcl", "servers", "standin"))
     ap.add_argument("--written", help="tau, bfcl: the written cases of fixtures/cases/sets/WRITTEN.json (default: the set's own name)")
+    ap.add_argument("--also", action="append", help="a row more for fixtures/cases/sets/<set>.ALSO.json (repeatable)")
+    ap.add_argument("--only", action="append", choices=("banking77", "hwu64"), help="intents: these sets only")
     ap.add_argument("--set", choices=("seal-tools", "bfcl-live"), default="seal-tools")
     ap.add_argument("--model")
     ap.add_argument("--data", type=pathlib.Path, default=ROOT.parent / "shared" / "data")

@@ -87,7 +87,8 @@ class CasesConfig(msgspec.Struct, forbid_unknown_fields=True):
     packs: bool = True  # the case packs shipped for widely used MCP servers (matched by tool content)
     # Who writes cases for tools no pack covers (`sidecar cases write`): "openai:URL" (any
     # OpenAI-compatible chat API; the key from the environment variable `key_env`) or
-    # "gguf:PATH" (a local chat model through llama-cpp-python); none: no writer
+    # "gguf:PATH" (a local model through llama-cpp-python: a chat model, or a base model written
+    # to by few-shot completion when its GGUF has no chat template); none: no writer
     writer: str | None = None
     writer_model: str | None = None  # the model name an OpenAI-compatible API is asked for
     key_env: str = "OPENAI_API_KEY"

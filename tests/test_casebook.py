@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.core import catalog as catalog_mod
 from sidecar.core.casebook import Written, builtin, clean, tool_key
-from sidecar.learn.writer import WriterError, parse_reply
+from sidecar.learn.writer import WriterError, few_shot_prompt, parse_lines, parse_reply, sift
 from tests.openai_upstream import Scripted, Upstream
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,3 +119,54 @@ def test_serve_writes_cases_in_the_background_and_reindexes_with_them(tmp_path):
     assert rows == [(f"openai:{up.url}",)] * 2
     shown = json.loads(sidecar("cases", "show", "--config", str(config), "--catalog", str(catalog), "--store", str(store), "--json").stdout)
     assert [r["source"] for r in shown] == [f"openai:{up.url}"] * 2 and all(r["indexed"] for r in shown)
+
+
+def _tool(name: str, description: str, **props) -> catalog_mod.Tool:
+    return catalog_mod.from_tools([{"name": name, "description": description, "inputSchema": {"type": "object", "properties": props}}],
+                                  origin="test").get(name)  # fmt: skip
+
+
+def test_a_base_model_gets_a_completion_open_at_its_first_bullet():
+    tool = _tool("book_reservation", "Book a reservation.", user_id={"type": "string"}, origin={"type": "string"})
+    prompt = few_shot_prompt(tool)
+    assert prompt.endswith("Tool: book_reservation\nDescription: Book a reservation.\nParameters: user_id, origin\nRequests:\n-")
+    assert prompt.count("Requests:\n- ") == 2  # the two worked examples, each a list of requests
+
+
+def test_a_base_models_lines_are_read_to_the_end_of_its_list_without_fragments():
+    tool = _tool("cancel_reservation", "Cancel the whole reservation.")
+    completion = (" Cancel my booking ZFA04Y please\n- I can't fly on Friday, call the whole trip off\n- 16.46\n- sum,\n"
+                  "  - a nested item ends the list\n- never read")
+    assert parse_lines(completion, tool) == ["Cancel my booking ZFA04Y please", "I can't fly on Friday, call the whole trip off"]
+    assert parse_lines(" cancel_reservation for trip ZFA04Y now\n- call off my flight to Boston\nTool: next", tool) == ["call off my flight to Boston"]
+    assert parse_lines("Server: x", tool) == []
+
+
+@pytest.fixture(scope="module")
+def small_embedder():
+    from sidecar import config as config_mod
+    from sidecar.core import models
+    from sidecar.core.pipeline import open_embedder
+
+    return open_embedder(config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL}), None, progress=False)
+
+
+def test_sift_drops_repeats_and_what_the_embedding_places_nearer_another_tool(small_embedder):
+    weather = _tool("get_current_weather", "Get the current weather for a city.")
+    mail = _tool("send_email", "Send an email to someone.")
+    flights = _tool("search_flights", "Search for flights between two airports on a date.")
+    written = [
+        (weather, Written(("weather in berlin right now", "is it raining in Oslo at the moment", "send an email to bob about lunch",
+                           "how hot is it in Phoenix today", "tell me something"), (), "w")),
+        (mail, Written(("email priya that the meeting moved", "send a note to my landlord by email", "write to lee@studio.co saying I'm late",
+                        "tell me something"), (), "w")),
+        (flights, Written(("book me a table for two", "is it raining in Oslo", "what's the weather in Paris"), (), "w")),
+    ]  # fmt: skip
+    bare = sift(written, [weather, mail, flights])  # no embedder: repeats only
+    assert bare.repeated == 2 and all("tell me something" not in w.cases for _, w in bare.kept)
+    got = sift(written, [weather, mail, flights], small_embedder)
+    kept = {t.name: w.cases for t, w in got.kept}
+    assert "send an email to bob about lunch" not in kept["get_current_weather"]
+    assert {"weather in berlin right now", "how hot is it in Phoenix today"} <= set(kept["get_current_weather"])
+    assert len(kept["send_email"]) == 3
+    assert got.misplaced >= 3 and [t.name for t in got.emptied] == ["search_flights"]  # none of its three is about flights
