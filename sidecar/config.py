@@ -82,8 +82,9 @@ class CasesConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Example requests for tools whose catalog ships none (sidecar/core/casebook.py)."""
 
     # Add written cases (packs, and what `sidecar cases write` kept in the store) to tools with
-    # fewer than five of their own; false: descriptions alone
-    fill: bool = False
+    # fewer than five of their own; false: descriptions alone. serve and proxy are ready on the
+    # descriptions and add them in the background (seconds when the store holds their vectors)
+    fill: bool = True
     packs: bool = True  # the case packs shipped for widely used MCP servers (matched by tool content)
     # Who writes cases for tools no pack covers (`sidecar cases write`): "openai:URL" (any
     # OpenAI-compatible chat API; the key from the environment variable `key_env`) or

@@ -121,6 +121,51 @@ def test_serve_writes_cases_in_the_background_and_reindexes_with_them(tmp_path):
     assert [r["source"] for r in shown] == [f"openai:{up.url}"] * 2 and all(r["indexed"] for r in shown)
 
 
+def test_serve_is_ready_on_descriptions_then_adds_the_packs_and_remembers_its_fit(tmp_path):
+    """A real `sidecar serve` on the defaults ([cases] fill) over filesystem.json, whose tools a
+    shipped pack covers: it listens before the cases are in (ready on the descriptions), then
+    reindexes with them in the background; a real client's "save a text file" is then injected
+    write_file (descriptions alone leave it silent). The catalog's own fit is kept in the store:
+    a second start reads it instead of fitting again."""
+    import asyncio
+    import sqlite3
+    import time as time_mod
+
+    from sidecar import protocol as p
+    from sidecar.client import SidecarClient
+    from tests.conftest import serve_process
+
+    store = tmp_path / "store.db"
+    args = ["--catalog", str(CATALOGS / "filesystem.json"), "--store", str(store), "--model", "all-minilm-l6-v2"]
+
+    async def ask(url: str) -> list[p.Inject]:
+        async with await SidecarClient.connect(url, session="s") as sc:
+            await sc.user("u", "save a text file")
+            await sc.end("u")
+            got = []
+            while not isinstance(msg := await sc.recv(60), p.Ended):
+                got.append(msg)
+            return [m for m in got if isinstance(m, p.Inject)]
+
+    with serve_process(args, tmp_path) as served:
+        deadline = time_mod.monotonic() + 180
+        while "written cases added" not in served.log_text() and time_mod.monotonic() < deadline:
+            time_mod.sleep(0.5)
+        log = served.log_text()
+        assert log.index("listening on") < log.index("written cases added"), log[-2000:]
+        injects = asyncio.run(ask(served.url))
+    assert [i.tools[0].definition["name"] for i in injects] == ["write_file"], injects
+    fits = sqlite3.connect(store).execute("SELECT key, created FROM self_fits ORDER BY key").fetchall()
+    assert fits
+    with serve_process(args, tmp_path, name="again") as served:
+        deadline = time_mod.monotonic() + 120
+        while "written cases added" not in served.log_text() and time_mod.monotonic() < deadline:
+            time_mod.sleep(0.5)
+        assert "written cases added" in served.log_text()
+        assert [i.tools[0].definition["name"] for i in asyncio.run(ask(served.url))] == ["write_file"]
+    assert sqlite3.connect(store).execute("SELECT key, created FROM self_fits ORDER BY key").fetchall() == fits  # read, not fitted again
+
+
 def _tool(name: str, description: str, **props) -> catalog_mod.Tool:
     return catalog_mod.from_tools([{"name": name, "description": description, "inputSchema": {"type": "object", "properties": props}}],
                                   origin="test").get(name)  # fmt: skip

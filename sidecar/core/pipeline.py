@@ -163,7 +163,7 @@ class Pipeline:
         for key, index in built.items():
             if self.self_fit and index.classifier is not None:
                 with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
-                    own = own_fit(index, self.lexical, self.symbolic, self.ranker, self.embedder.identity, index.names)
+                    own = own_fit(index, self.lexical, self.symbolic, self.ranker, self.embedder.identity, index.names, store=self.store)
                 if own is not None:
                     self.own[key] = own
         return built
@@ -193,8 +193,12 @@ class Pipeline:
         and store shared): its indexes reuse this one's unchanged tools and the store's
         embedding cache, so only new tool texts are embedded. This pipeline is untouched.
         `beside`: the new texts are embedded on the model's second context (`Embedder.beside`),
-        so a catalog built on another thread holds up no judging on the model thread."""
+        so a catalog built on another thread holds up no judging on the model thread. Without
+        `persist` (a client's own tools, e.g. a session's hello) no written cases are added:
+        their vectors would be embedded again on every such catalog, a dozen a tool."""
         clone = copy.copy(self)
+        if not persist:
+            clone.casebook = None
         with self.embedder.beside() if beside else contextlib.nullcontext():
             clone.reindex(catalog, persist)  # rebinds the clone's indexes and catalog
         return clone
@@ -437,11 +441,13 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
 
 
 def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None,
-                calibration: bool | calib.Calibration = True, embedder: Embedder | None = None) -> Pipeline:  # fmt: skip
+                calibration: bool | calib.Calibration = True, embedder: Embedder | None = None, cases: bool = True) -> Pipeline:  # fmt: skip
     """Everything the config names, loaded and validated, as a ready pipeline. `calibration`:
     the config's file, else the model's built-in (True); none at all (False: what `tune` fits
     from: cosine thresholds, the default ranker, no gate head, plain derived cases); or the one
-    given (what `tune` judges its held-out part with). `embedder`: a model already loaded."""
+    given (what `tune` judges its held-out part with). `embedder`: a model already loaded.
+    `cases=False`: no written cases yet, whatever `[cases] fill` says (serve and proxy add
+    them after they are ready: serve/casewriting.py)."""
     if isinstance(calibration, calib.Calibration):
         cal_file = calibration
     else:
@@ -464,6 +470,6 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     }
     ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
     self_fit = cfg.index.self_fit and origin == "builtin"  # a calibration file or explicit thresholds are the user's word
-    casebook = book_for(store, cfg.cases.packs) if cfg.cases.fill else None
+    casebook = book_for(store, cfg.cases.packs) if cfg.cases.fill and cases else None
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
                     progress=progress, self_fit=self_fit, casebook=casebook)  # fmt: skip

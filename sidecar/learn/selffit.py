@@ -28,6 +28,7 @@ off. Memoised per catalog content, like the classifier.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
+import orjson
 
 from ..core.gate import Thresholds
 from ..core.arguments import SymbolicIndex
@@ -43,6 +45,7 @@ from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, f
 if TYPE_CHECKING:
     from ..core.index import ToolIndex
     from ..core.lexical import LexicalIndex
+    from ..store.base import Store
 
 AUTO_PRECISION = 0.97  # of simulated fires in scope, from which a fire is injected without asking
 
@@ -165,16 +168,68 @@ def _precision(p_in: np.ndarray, p_out: np.ndarray, cut: float) -> float:
 
 _fits: dict[tuple, OwnFit] = {}  # the last few, by model and catalog content (a reindex of an unchanged catalog refits nothing)
 
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS self_fits (
+    key TEXT PRIMARY KEY,
+    body BLOB NOT NULL,
+    created REAL NOT NULL
+);
+"""
+
+
+class _Kept(msgspec.Struct, frozen=True):
+    """An OwnFit as the store keeps it: the ranker's weights alone (its adapter is the base's)."""
+
+    weights: tuple[float, ...]
+    gate: CasesGate
+    rows: int
+    seconds: float
+
 
 def own_fit(index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker, model: str, names: Sequence[str],
-            fit: SelfFit = SelfFit()) -> OwnFit | None:  # fmt: skip
-    """`fit.fit`, memoised by model, index content and base ranker; None for a catalog of more
-    than `fit.max_tools` tools (it keeps the built-in calibration)."""
+            fit: SelfFit = SelfFit(), store: Store | None = None) -> OwnFit | None:  # fmt: skip
+    """`fit.fit`, memoised by model, index content, base ranker and hyper-parameters, here and
+    in `store` (a restart on an unchanged catalog refits nothing: the fit is seconds of the
+    start); None for a catalog of more than `fit.max_tools` tools (it keeps the built-in
+    calibration)."""
     if len(names) > fit.max_tools:
         return None
     key = (model, str(index.strategy), tuple(index.entries[n].hash for n in names), base.weights, base.adapter is not None)
-    if key not in _fits:
-        while len(_fits) >= 4:
-            _fits.pop(next(iter(_fits)))
-        _fits[key] = fit.fit(index, lexical, symbolic, base)
-    return _fits[key]
+    if key in _fits:
+        return _fits[key]
+    digest = hashlib.sha256(orjson.dumps([list(map(str, key)), msgspec.json.encode(fit).decode(), _adapter_digest(base)])).hexdigest()
+    own = _read(store, digest, base)
+    if own is None:
+        own = fit.fit(index, lexical, symbolic, base)
+        _write(store, digest, own)
+    while len(_fits) >= 4:
+        _fits.pop(next(iter(_fits)))
+    _fits[key] = own
+    return own
+
+
+def _adapter_digest(base: Ranker) -> str:
+    return "" if base.adapter is None else hashlib.sha256(msgspec.msgpack.encode(base.adapter)).hexdigest()
+
+
+def _read(store: Store | None, digest: str, base: Ranker) -> OwnFit | None:
+    if store is None:
+        return None
+    store.ensure_schema(SCHEMA)
+    rows = store.query("SELECT body FROM self_fits WHERE key = ?", (digest,))
+    if not rows:
+        return None
+    try:
+        kept = msgspec.json.decode(bytes(rows[0][0]), type=_Kept)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # written by another version: fitted again
+    return OwnFit(Ranker(kept.weights, base.adapter), kept.gate, kept.rows, kept.seconds)
+
+
+def _write(store: Store | None, digest: str, own: OwnFit) -> None:
+    if store is None:
+        return
+    body = msgspec.json.encode(_Kept(own.ranker.weights, own.gate, own.rows, own.seconds))
+    store.write(lambda tx: tx.execute(
+        "INSERT INTO self_fits (key, body, created) VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE SET body = excluded.body, created = excluded.created",
+        (digest, body, time.time())))  # fmt: skip

@@ -1,12 +1,12 @@
-"""Cases written while serving: with `[cases] writer` set, `serve` and `proxy` ask it for the
-tools no pack and no earlier writing covers, after the engine is ready, and reindex with them.
+"""Written cases added while serving. With `[cases] fill`, `serve` and `proxy` are ready on the
+catalog's descriptions, then add the cases the packs and the store already hold (a reindex:
+seconds when their vectors are in the store, a dozen embeddings a tool the first time); with
+`[cases] writer` set too, they then ask it for the tools nothing covers, batch by batch.
 
-Serving never waits for the writer: an LLM takes seconds a tool, so the catalog is served on its
-descriptions from the start, and each batch of written tools lands in the store (kept by tool
-content: a restart asks for nothing again) and then in the index, through the caller's
-`reindex` (which embeds beside the judging and swaps the index on the model thread, as a live
-catalog's change does). A tool whose reply is refused keeps its description alone and is asked
-again on the next start.
+Serving never waits for either: each step lands through the caller's `reindex` (which embeds
+beside the judging and swaps the index on the model thread, as a live catalog's change does).
+Written tools are kept in the store by tool content (a restart asks for nothing again); a tool
+whose reply is refused keeps its description alone and is asked again on the next start.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
@@ -45,12 +46,14 @@ def chat_for(cfg: Config, upstream: str | None = None) -> writer_mod.Chat | None
 
 
 class CaseWriting:
-    """One thread that writes cases for the engine's uncovered tools, batch by batch."""
+    """One thread that adds the cases on hand, then writes the engine's uncovered tools' cases
+    (with a writer), batch by batch."""
 
-    def __init__(self, engine: Sidecar, chat: writer_mod.Chat, reindex: Callable[[], Awaitable[None]],
+    def __init__(self, engine: Sidecar, chat: writer_mod.Chat | None, reindex: Callable[[], Awaitable[None]],
                  loop: asyncio.AbstractEventLoop, batch: int = BATCH):  # fmt: skip
         self.engine, self.chat, self.reindex, self.loop, self.batch = engine, chat, reindex, loop, batch
         self.written = self.failed = 0
+        self.filled = False  # the cases on hand are in the index
         self.done = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sidecar-cases", daemon=True)
@@ -65,8 +68,16 @@ class CaseWriting:
     def _run(self) -> None:
         try:
             pipe = self.engine.pipeline
-            book = pipe.casebook
-            todo = writer_mod.lacking(self.engine.catalog, lambda t: book is not None and book.get(t) is not None, MIN_OWN_CASES)
+            book = pipe.casebook = book_for(pipe.store, self.engine.cfg.cases.packs)
+            covered = lambda t: book.get(t) is not None  # noqa: E731
+            if any(covered(t) for t in writer_mod.lacking(pipe.catalog, lambda t: False, MIN_OWN_CASES)):
+                t0 = time.perf_counter()
+                asyncio.run_coroutine_threadsafe(self.reindex(), self.loop).result()
+                self.filled = True
+                log.info("cases: written cases added to the catalog (%.1f s)", time.perf_counter() - t0)
+            if self.chat is None:
+                return
+            todo = writer_mod.lacking(self.engine.catalog, covered, MIN_OWN_CASES)
             if todo:
                 log.info("cases: %s writes for %d tools without cases; served on their descriptions meanwhile", self.chat.spec, len(todo))
             for lo in range(0, len(todo), self.batch):
@@ -92,23 +103,26 @@ class CaseWriting:
 
 def start_case_writing(engine: Sidecar, cfg: Config, worker: Executor, indexer: Executor | None, *,
                        upstream: str | None = None) -> CaseWriting | None:  # fmt: skip
-    """Start writing, if a writer is configured, with a reindex that embeds the new cases on
-    `indexer` (beside the judging; None: on `worker` too) and swaps the index on `worker`, the
-    model thread. A writer that cannot be opened is logged; serving goes on without it."""
+    """With `[cases] fill`, add the cases on hand and write the rest (if a writer is
+    configured), through a reindex that embeds the new cases beside the judging, on `indexer`
+    (None: the loop's default pool), and swaps the index on `worker`, the model thread. A writer that
+    cannot be opened is logged; serving goes on without it."""
+    if not cfg.cases.fill:
+        chat_for(cfg, upstream)  # warns that a writer set beside fill = false writes nothing
+        return None
     try:
         chat = chat_for(cfg, upstream)
     except writer_mod.WriterError as e:
         log.error("cases: no writer: %s", e)
-        return None
-    if chat is None:
-        return None
+        chat = None
     loop = asyncio.get_running_loop()
 
     async def reindex() -> None:
         pipe = engine.pipeline
         catalog = pipe.catalog
-        if indexer is not None:  # embedded first into the store: the swap below embeds nothing
-            await loop.run_in_executor(indexer, pipe.with_catalog, catalog, True, True)
+        # embedded first into the store, on the model's second context (indexer None: a thread
+        # of the loop's default pool): the swap below on the model thread embeds nothing
+        await loop.run_in_executor(indexer, pipe.with_catalog, catalog, True, True)
         await loop.run_in_executor(worker, pipe.reindex, catalog)
 
     return CaseWriting(engine, chat, reindex, loop).start()

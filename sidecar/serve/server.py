@@ -845,10 +845,11 @@ class SidecarServer:
 def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, live: bool, progress: bool) -> Sidecar:
     """The engine `serve` and `proxy` run on, ranking ready (before "listening on", not on the
     first user's request). With `live` MCP servers and no catalog files, it starts on no tools:
-    the live servers' tools are indexed into it (mcp/live.py)."""
+    the live servers' tools are indexed into it (mcp/live.py). Written cases come after it is
+    ready (serve/casewriting.py): embedding a dozen a tool must not hold up the first turn."""
     if catalog is None and live and not cfg.catalogs:
         catalog = Catalog([])  # the live servers' tools alone
-    engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress)
+    engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress, cases=False)
     engine.recommender.prepare()
     return engine
 
