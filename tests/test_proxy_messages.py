@@ -11,20 +11,16 @@ SDK saw, what the store recorded and what learning from traffic kept.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
-import os
-import re
-import sys
 
 import anthropic
 import httpx2
 import pytest
 
 from sidecar.proxy import shapes
-from tests.conftest import CATALOGS, ROOT
+from tests.conftest import CATALOGS
 from tests.mcp_support import TIME, free_port, run
 from tests.openai_upstream import MESSAGE_USAGE, Scripted, Upstream
 from tests.test_proxy import CHAT, GET_TIME, NARRATES, TOKYO, calls_of, proxying
@@ -242,27 +238,6 @@ def test_the_clients_own_tool_use_goes_back_to_it_and_learning_sees_each_fresh_t
 
     examples = run(body(), timeout=180)
     assert examples == [(TOKYO, GET_TIME, "proxy:"), (CHAT, None, "proxy:"), ("where is my order A-17?", "lookup_order", "proxy:")], examples
-
-
-def test_the_docs_example_runs_as_written(tmp_path):
-    """docs/proxy.md's anthropic example, saved and run as a script with the SDK's environment
-    pointed at the proxy: it prints the answer the proxy got after running the time tool."""
-    [example] = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs/proxy.md").read_text(), re.S) if "anthropic.Anthropic()" in b]
-    script = tmp_path / "tokyo.py"
-    script.write_text(example)
-    replies = [Scripted(calls=[(GET_TIME, {"timezone": "Asia/Tokyo"})]), Scripted(text="It is noon in Tokyo.")]
-
-    async def body():
-        async with behind(tmp_path, replies) as (up, server):
-            env = {**os.environ, "ANTHROPIC_BASE_URL": server.url.removesuffix("/v1"), "ANTHROPIC_API_KEY": SECRET}
-            proc = await asyncio.create_subprocess_exec(sys.executable, str(script), env=env, stdout=asyncio.subprocess.PIPE,
-                                                        stderr=asyncio.subprocess.PIPE)  # fmt: skip
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
-            assert proc.returncode == 0, err.decode()
-            assert out.decode() == "It is noon in Tokyo.\n"
-            assert GET_TIME in up.messages[0].tool_names and json.loads(results_of(up.messages[1].body)[0]["content"])["timezone"] == "Asia/Tokyo"
-
-    run(body(), timeout=180)
 
 
 # ---- the pure core ----------------------------------------------------------------------------
