@@ -43,11 +43,13 @@ SOURCES = ("user", "llm")
 
 
 class Detected(msgspec.Struct):
-    """`detect_batch`'s answer: the decisions, and each request's query vector (None when a
-    negative pattern blocked it unembedded), so a recommender need not embed it again."""
+    """`detect_batch`'s answer: the decisions, each request's query vector (None when a
+    negative pattern blocked it unembedded) and the views of every tool it was ranked on, so
+    a recommender need neither embed it nor score the catalog again."""
 
     decisions: list[Decision]
     vectors: list[np.ndarray | None]
+    views: list[Views | None] = []  # empty: none kept
 
 
 class QueryCache:
@@ -271,7 +273,7 @@ class Pipeline:
         embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
         t_embed = time.perf_counter()
         live = [requests[i] for i in todo]
-        _, ranked, probability = self.scored(live, embedded.vectors, [routes[i] for i in todo])
+        views, ranked, probability = self.scored(live, embedded.vectors, [routes[i] for i in todo])
         candidates, confidence = dict(zip(todo, ranked)), dict(zip(todo, probability))
         t_cos = time.perf_counter()
         n = len(requests)
@@ -289,8 +291,8 @@ class Pipeline:
             d = decide(r.text, r.source, s, candidates.get(i, []), bars[r.source], timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
-        rows = dict(zip(todo, embedded.vectors))
-        return Detected(out, [rows.get(i) for i in range(n)])
+        rows, seen = dict(zip(todo, embedded.vectors)), dict(zip(todo, views))
+        return Detected(out, [rows.get(i) for i in range(n)], [seen.get(i) for i in range(n)])
 
     def scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
         """Embedded, unblocked requests' views, ranked candidates and gate probability: the
