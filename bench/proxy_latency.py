@@ -10,7 +10,8 @@
    `detect` of the same text on the same engine (`Sidecar.judge`, what `sidecar detect` runs),
    and one embedding of the same text by the same model (what a turn cannot cost less than):
    `ratio_p50` is added over detect, `embed_ratio_p50` added over the embedding.
-   The query cache is off, so no text is served from an earlier embedding. `--api messages`
+   The query cache is off, so no text is served from an earlier embedding; measured once the
+   written cases (`[cases] fill`) are in the index, as the proxy serves from then on. `--api messages`
    sends each text as an Anthropic Messages request (/v1/messages) instead, `--api both` as
    both, in turn, in alternating order (`latency_messages`, and `messages_over_chat`: the ratio
    of the two added p50s).
@@ -46,6 +47,7 @@ from sidecar.core.pipeline import Request  # noqa: E402
 from sidecar.proxy import shapes  # noqa: E402
 from sidecar.proxy.app import ProxyServer  # noqa: E402
 from sidecar.proxy.offer import Judge  # noqa: E402
+from sidecar.serve.telemetry import limit_blas_threads  # noqa: E402
 from bench.gate_latency import load_items  # noqa: E402
 from bench.gate_latency import pct as percentile  # noqa: E402
 from tests.openai_upstream import Scripted, Upstream  # noqa: E402
@@ -58,6 +60,8 @@ def pct(values: list[float], q: float) -> float:
 def tokens(tools: list[dict]) -> int:
     return count_tokens(orjson.dumps(tools).decode()) if tools else 0
 
+
+CASES_WAIT_S = 600  # at most, for the written cases to be added before measuring
 
 REQUESTS = {  # the API -> its path and a request of one user turn
     "chat": ("/chat/completions", lambda text: {"model": "scripted", "messages": [{"role": "user", "content": text}]}),
@@ -147,15 +151,21 @@ async def main() -> None:
         overrides = {("catalogs",): args.catalog, ("model", "name"): args.model, ("store",): args.store, ("index", "query_cache"): 0,
                      ("proxy", "upstream"): up.url, ("proxy", "port"): 0}  # fmt: skip
         cfg = config_mod.load(overrides=overrides)
+        limit_blas_threads(cfg.model.blas_threads)  # as `sidecar proxy` does (proxy/app.py `run`)
         server = ProxyServer(cfg, catalog=catalog_mod.load(cfg.catalogs))
         await server.start()
         try:
+            t0 = time.perf_counter()
+            writing = server.case_writing  # [cases] fill: measured on the index it serves once the cases are in
+            while writing is not None and not writing.done.is_set() and time.perf_counter() - t0 < CASES_WAIT_S:
+                await asyncio.sleep(0.5)
+            cases_s = round(time.perf_counter() - t0, 1)
             texts = [i.text for i in items[: args.requests]]
             apis = ("chat", "messages") if args.api == "both" else (args.api,)
             await latency(server, up, texts[:10], apis)  # warm-up: connections, caches, the model's first calls
             measured = await latency(server, up, texts, apis)
             report = {"model": server.engine.pipeline.embedder.name, "catalog": [pathlib.Path(c).name for c in args.catalog],
-                      "labeled": pathlib.Path(args.labeled).name, "latency": measured[apis[0]]}  # fmt: skip
+                      "labeled": pathlib.Path(args.labeled).name, "cases_added_after_s": cases_s, "latency": measured[apis[0]]}  # fmt: skip
             if args.api == "both":
                 report["latency_messages"] = measured["messages"]
                 chat, messages = measured["chat"]["added_ms"]["p50"], measured["messages"]["added_ms"]["p50"]

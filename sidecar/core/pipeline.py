@@ -31,7 +31,7 @@ from .catalog import Catalog
 from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
-from .index import MIN_OWN_CASES, ToolIndex
+from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
@@ -296,7 +296,15 @@ class Pipeline:
 
     def scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
         """Embedded, unblocked requests' views, ranked candidates and gate probability: the
-        catalog's own gate where it fitted one, else the gate head (None without either)."""
+        catalog's own gate where it fitted one, else the gate head (None without either). A
+        few requests' products (the adapter, the gate's exemplars) run on one BLAS thread, as
+        the index's do: on 2 busy cores OpenBLAS spreading nomic's 768x768 adapter product over
+        both made it ~30 ms a turn where one thread takes ~0.3 ms (py-spy, bench/proxy_latency.py
+        without model.blas_threads)."""
+        with one_blas_thread(len(requests)):
+            return self._scored(requests, vectors, routes)
+
+    def _scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
         views = self.views(requests, vectors)
         candidates = [self._top(v.scores[0], v.index, q, self.top_k) for v, q in zip(views, vectors)]
         owns = [self.own_for(r.source) for r in requests]
