@@ -7,8 +7,11 @@
    request twice, straight to a local scripted upstream (tests/openai_upstream.py, on
    127.0.0.1) and through an in-process proxy in front of it; the upstream notes when it has
    read each request. Added = through the proxy minus straight, per text. Beside it, one
-   `detect` of the same text on the same engine (`Sidecar.judge`, what `sidecar detect` runs).
-   The query cache is off, so no text is served from an earlier embedding. `--api messages`
+   `detect` of the same text on the same engine (`Sidecar.judge`, what `sidecar detect` runs),
+   and one embedding of the same text by the same model (what a turn cannot cost less than):
+   `ratio_p50` is added over detect, `embed_ratio_p50` added over the embedding.
+   The query cache is off, so no text is served from an earlier embedding; measured once the
+   written cases (`[cases] fill`) are in the index, as the proxy serves from then on. `--api messages`
    sends each text as an Anthropic Messages request (/v1/messages) instead, `--api both` as
    both, in turn, in alternating order (`latency_messages`, and `messages_over_chat`: the ratio
    of the two added p50s).
@@ -44,6 +47,7 @@ from sidecar.core.pipeline import Request  # noqa: E402
 from sidecar.proxy import shapes  # noqa: E402
 from sidecar.proxy.app import ProxyServer  # noqa: E402
 from sidecar.proxy.offer import Judge  # noqa: E402
+from sidecar.serve.telemetry import limit_blas_threads  # noqa: E402
 from bench.gate_latency import load_items  # noqa: E402
 from bench.gate_latency import pct as percentile  # noqa: E402
 from tests.openai_upstream import Scripted, Upstream  # noqa: E402
@@ -57,6 +61,8 @@ def tokens(tools: list[dict]) -> int:
     return count_tokens(orjson.dumps(tools).decode()) if tools else 0
 
 
+CASES_WAIT_S = 600  # at most, for the written cases to be added before measuring
+
 REQUESTS = {  # the API -> its path and a request of one user turn
     "chat": ("/chat/completions", lambda text: {"model": "scripted", "messages": [{"role": "user", "content": text}]}),
     "messages": ("/messages", lambda text: {"model": "scripted", "max_tokens": 64, "messages": [{"role": "user", "content": text}]}),
@@ -69,6 +75,7 @@ async def latency(server: ProxyServer, up: Upstream, texts: list[str], apis: tup
     added: dict[str, list[float]] = {api: [] for api in apis}
     straight: dict[str, list[float]] = {api: [] for api in apis}
     detect: list[float] = []
+    embed: list[float] = []
     engine = server.engine
     gate = server.app.metrics
     judged0, n0 = gate.value("sidecar_proxy_judge_seconds_sum"), gate.value("sidecar_proxy_judge_seconds_count")
@@ -87,11 +94,16 @@ async def latency(server: ProxyServer, up: Upstream, texts: list[str], apis: tup
             t0 = time.perf_counter()
             await asyncio.get_running_loop().run_in_executor(server.executor, engine.judge, [Request(text, "user")])
             detect.append((time.perf_counter() - t0) * 1000)
+            t0 = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(server.executor, engine.pipeline.embedder.embed, [text], "query")
+            embed.append((time.perf_counter() - t0) * 1000)
     judge_mean = round((gate.value("sidecar_proxy_judge_seconds_sum") - judged0) * 1000 / max(1, gate.value("sidecar_proxy_judge_seconds_count") - n0), 2)
     return {api: {"requests": len(texts), "added_ms": {"p50": pct(added[api], 50), "p90": pct(added[api], 90), "p99": pct(added[api], 99)},
                   "straight_ms": {"p50": pct(straight[api], 50)}, "proxy_judge_mean_ms": judge_mean,
                   "detect_ms": {"p50": pct(detect, 50), "p90": pct(detect, 90), "p99": pct(detect, 99)},
-                  "ratio_p50": round(pct(added[api], 50) / pct(detect, 50), 3) if pct(detect, 50) else None} for api in apis}  # fmt: skip
+                  "embed_ms": {"p50": pct(embed, 50), "p90": pct(embed, 90), "p99": pct(embed, 99)},
+                  "ratio_p50": round(pct(added[api], 50) / pct(detect, 50), 3) if pct(detect, 50) else None,
+                  "embed_ratio_p50": round(pct(added[api], 50) / pct(embed, 50), 3) if pct(embed, 50) else None} for api in apis}  # fmt: skip
 
 
 async def schema_tokens(server: ProxyServer, items: list) -> dict:
@@ -139,15 +151,21 @@ async def main() -> None:
         overrides = {("catalogs",): args.catalog, ("model", "name"): args.model, ("store",): args.store, ("index", "query_cache"): 0,
                      ("proxy", "upstream"): up.url, ("proxy", "port"): 0}  # fmt: skip
         cfg = config_mod.load(overrides=overrides)
+        limit_blas_threads(cfg.model.blas_threads)  # as `sidecar proxy` does (proxy/app.py `run`)
         server = ProxyServer(cfg, catalog=catalog_mod.load(cfg.catalogs))
         await server.start()
         try:
+            t0 = time.perf_counter()
+            writing = server.case_writing  # [cases] fill: measured on the index it serves once the cases are in
+            while writing is not None and not writing.done.is_set() and time.perf_counter() - t0 < CASES_WAIT_S:
+                await asyncio.sleep(0.5)
+            cases_s = round(time.perf_counter() - t0, 1)
             texts = [i.text for i in items[: args.requests]]
             apis = ("chat", "messages") if args.api == "both" else (args.api,)
             await latency(server, up, texts[:10], apis)  # warm-up: connections, caches, the model's first calls
             measured = await latency(server, up, texts, apis)
             report = {"model": server.engine.pipeline.embedder.name, "catalog": [pathlib.Path(c).name for c in args.catalog],
-                      "labeled": pathlib.Path(args.labeled).name, "latency": measured[apis[0]]}  # fmt: skip
+                      "labeled": pathlib.Path(args.labeled).name, "cases_added_after_s": cases_s, "latency": measured[apis[0]]}  # fmt: skip
             if args.api == "both":
                 report["latency_messages"] = measured["messages"]
                 chat, messages = measured["chat"]["added_ms"]["p50"], measured["messages"]["added_ms"]["p50"]
@@ -162,7 +180,8 @@ async def main() -> None:
     lat = report["latency"]
     print(f"{report['model']}, {', '.join(report['catalog'])}, {lat['requests']} requests of {report['labeled']}")
     print(f"added before the first upstream byte ({args.api if args.api != 'both' else 'chat'}): p50 {lat['added_ms']['p50']} ms "
-          f"(p90 {lat['added_ms']['p90']}); one detect: p50 {lat['detect_ms']['p50']} ms; ratio {lat['ratio_p50']}")  # fmt: skip
+          f"(p90 {lat['added_ms']['p90']}); one detect: p50 {lat['detect_ms']['p50']} ms; ratio {lat['ratio_p50']}; "
+          f"one embedding: p50 {lat['embed_ms']['p50']} ms; ratio {lat['embed_ratio_p50']}")  # fmt: skip
     if "latency_messages" in report:
         m = report["latency_messages"]
         print(f"added before the first upstream byte (messages): p50 {m['added_ms']['p50']} ms (p90 {m['added_ms']['p90']}); "

@@ -23,7 +23,7 @@ from .core.catalog import Catalog
 from .config import Config, GateConfig
 from .core.gate import Decision, Timing
 from .store.metrics import MetricsStore, StringCaps
-from .core.pipeline import Detected, Pipeline, Request, from_config
+from .core.pipeline import Detected, Pipeline, Request, Views, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences
@@ -124,9 +124,10 @@ class Sidecar:
         return derived
 
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
-        """The gate's decisions (and query vectors) for every request: the main pipeline's, or
-        with a cascade, the screen's for the fallback-path texts it settles and the main
-        pipeline's for the rest (a settled text has no main-model vector: it did not fire)."""
+        """The gate's decisions (and query vectors and views) for every request: the main
+        pipeline's, or with a cascade, the screen's for the fallback-path texts it settles and
+        the main pipeline's for the rest (a settled text has no main-model vector nor views: it
+        did not fire)."""
         if self.screen is None or not requests:
             return self.pipeline.detect_batch(requests)
         if self.screen.catalog is not self.pipeline.catalog:  # reindexed in place (live MCP servers)
@@ -139,32 +140,39 @@ class Sidecar:
         rest = [i for i, d in enumerate(decisions) if d is None]
         main = self.pipeline.detect_batch([requests[i] for i in rest]) if rest else Detected([], [])
         vectors: list[np.ndarray | None] = [None] * len(requests)
-        for i, d, v in zip(rest, main.decisions, main.vectors):
-            decisions[i], vectors[i] = d, v
+        views: list[Views | None] = [None] * len(requests)
+        for i, d, v, w in zip(rest, main.decisions, main.vectors, main.views):
+            decisions[i], vectors[i], views[i] = d, v, w
         for i, d in zip(asked, first.decisions):  # a text passed on also cost the screen's time
             if decisions[i].path != SETTLED_PATH:
                 _add_time(decisions[i].timing_ms, d.timing_ms)
         settled = len(requests) - len(rest)
         self.cascade_stats.settled += settled
         self.cascade_stats.passed += len(asked) - settled
-        return Detected(decisions, vectors)  # type: ignore[arg-type]
+        return Detected(decisions, vectors, views)  # type: ignore[arg-type]
 
     def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None,
               rank_silent: bool = False) -> list[Judgement]:  # fmt: skip
-        """Gate every request (one batched embedding), then rank the tools for those that fired,
-        each in its own context (who asks, what it may be offered). `rank_silent`: rank the
-        silent ones too (what `eval` scores a ranking on); they still inject nothing."""
-        detected = self.detect_batch(requests)
+        """Gate every request and each ask of a user turn of several (`asks.split`) in one
+        batched embedding, then rank the tools for those that fired, each in its own context
+        (who asks, what it may be offered), on the views the gate scored. The best tool of each
+        ask that fires joins its turn's inject when the turn fired (a reply clause is one ask
+        already; a turn of one ask is untouched). `rank_silent`: rank the silent ones too (what
+        `eval` scores a ranking on); they still inject nothing."""
+        asks = self._asks(requests)
+        detected = self.detect_batch([*requests, *(Request(a, "user") for _, a in asks)])
         top = top or self.cfg.server.max_inject_tools
         out = []
-        for i, (r, d, vector) in enumerate(zip(requests, detected.decisions, detected.vectors)):
+        for i, (r, d, vector, views) in enumerate(zip(requests, detected.decisions, detected.vectors, detected.views)):
             ranked = None
             if d.fired or rank_silent:
-                ctx = contexts[i] if contexts is not None else Context()
-                ranked = self.recommender.recommend(r.text, msgspec.structs.replace(ctx, source=r.source), top=top, query_vector=vector)
+                ranked = self.recommender.recommend(r.text, self._context(contexts, i, r.source), top=top, query_vector=vector, views=views)
             out.append(Judgement(d, ranked, vector))
-        if self.cfg.server.split_asks:
-            self._rank_asks(requests, out, contexts)
+        n = len(requests)
+        for (i, ask), d, vector, views in zip(asks, detected.decisions[n:], detected.vectors[n:], detected.views[n:]):
+            if out[i].decision.fired and d.fired:
+                best = self.recommender.recommend(ask, self._context(contexts, i, "user"), top=1, query_vector=vector, views=views)
+                out[i].asks.extend(best.results[:1])
         if self.sequences.rules:
             for j in out:
                 picks = j.picks(self.cfg.server.inject_margin, top)
@@ -172,31 +180,26 @@ class Sidecar:
                             for rule in self.sequences.around(r.tool)]  # fmt: skip
         return out
 
-    def _rank_asks(self, requests: Sequence[Request], judged: list[Judgement], contexts: Sequence[Context] | None) -> None:
-        """Each fired user turn of several asks (`asks.split`): every ask is gated on its own
-        (one batched embedding for all of them) and the best tool of each ask that fires joins
-        the turn's inject. A reply clause is one ask already; a turn of one ask is untouched."""
-        todo: list[tuple[int, str]] = []
-        for i, (r, j) in enumerate(zip(requests, judged)):
-            if j.decision.fired and r.source == "user" and len(asks := split_asks(r.text)) > 1:
-                todo += [(i, a) for a in asks]
-        if not todo:
-            return
-        detected = self.detect_batch([Request(a, "user") for _, a in todo])
-        for (i, ask), d, vector in zip(todo, detected.decisions, detected.vectors):
-            if d.fired:
-                ctx = msgspec.structs.replace(contexts[i] if contexts is not None else Context(), source="user")
-                judged[i].asks.extend(self.recommender.recommend(ask, ctx, top=1, query_vector=vector).results[:1])
+    @staticmethod
+    def _context(contexts: Sequence[Context] | None, i: int, source: str) -> Context:
+        return msgspec.structs.replace(contexts[i] if contexts is not None else Context(), source=source)
+
+    def _asks(self, requests: Sequence[Request]) -> list[tuple[int, str]]:
+        """The asks of each user turn of several (`asks.split`), with their turn's place; none
+        with `server.split_asks` off. They are embedded with their turn whether or not it fires:
+        a second call would cost the model's weights read again (with nomic, ~40 ms however
+        short the texts), more than the asks' own tokens."""
+        if not self.cfg.server.split_asks:
+            return []
+        return [(i, a) for i, r in enumerate(requests) if r.source == "user" and len(asks := split_asks(r.text)) > 1 for a in asks]
 
     def embed_beside(self, texts: Sequence[str]) -> None:
         """Embed user turns into the query caches, on the models' second contexts (this
         thread's), so judging them later costs the model thread their scoring only. One turn
         of 512 tokens is 80-130 ms of MiniLM that no batch can split, and a span of another
         session arriving meanwhile waited for all of it (issue 33). The asks a turn splits
-        into go too (`_rank_asks` embeds them when the turn fires). Nothing is kept with the
-        cache off."""
-        if self.cfg.server.split_asks:
-            texts = [*texts, *(a for t in texts if len(asks := split_asks(t)) > 1 for a in asks)]
+        into go too (`judge` embeds them with the turn). Nothing is kept with the cache off."""
+        texts = [*texts, *(a for _, a in self._asks([Request(t, "user") for t in texts]))]
         for pipe in filter(None, (self.screen, self.pipeline)):
             if pipe.queries.size:
                 with pipe.embedder.beside():

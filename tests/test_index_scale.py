@@ -63,8 +63,8 @@ def test_stored_rows_are_per_model_and_strategy(embedder, cat, tmp_path):
     assert ToolIndex.build(cat, renamed, BASE, open_store(tmp_path / "s.db")).stats.stored == 0
 
 
-def test_few_queries_score_the_same_on_one_blas_thread_from_many_threads(embedder, cat, tmp_path):
-    """Query-time products run on one BLAS thread (index._one_blas_thread): same numbers as the
+def test_few_queries_score_the_same_onone_blas_thread_from_many_threads(embedder, cat, tmp_path):
+    """Query-time products run on one BLAS thread (index.one_blas_thread): same numbers as the
     plain product, from several threads at once, and BLAS gets its threads back after."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -23,7 +23,8 @@ import openai
 import pytest
 
 from sidecar import config as config_mod
-from sidecar.core import models
+from sidecar.core import asks, models
+from sidecar.core.pipeline import Request
 from sidecar.mcp import config as mcp_config
 from sidecar.proxy import shapes
 from sidecar.proxy.app import ProxyServer
@@ -555,3 +556,43 @@ def test_the_proxy_learns_each_fresh_turn_with_the_tools_the_model_called(tmp_pa
 
     examples = run(body(), timeout=180)
     assert examples == [(TOKYO, GET_TIME, "proxy:"), (CHAT, None, "proxy:"), ("where is my order A-17?", "lookup_order", "proxy:")], examples
+
+
+def test_a_turn_of_several_asks_and_its_follow_up_cost_one_embedding_call(tmp_path):
+    """Issue 50: a user turn's asks, the short follow-up joined to the turn before it and the
+    gate share one batched embedding call, in the engine and through the proxy, and each ask
+    still brings its own tool, the one it gets judged alone. Counted: the model's calls that
+    embed any of the turn's texts (the real model; background work embeds other texts)."""
+    turn = "search my notes for the kubernetes setup, then delete the note about groceries"
+    before, follow_up = "I keep my shopping lists in my notes.", "find the groceries note, then delete it"
+
+    async def body():
+        with Upstream([Scripted(text="Done.")]) as up:
+            async with proxying(tmp_path, up.url, catalogs=[str(CATALOGS / "notes.json")], confirm_tools="include") as server:
+                engine = server.engine
+                embedder = engine.pipeline.embedder
+                calls: list[list[str]] = []
+                embed = embedder.embed
+
+                def counted(texts, *args, **kwargs):
+                    calls.append(list(texts))
+                    return embed(texts, *args, **kwargs)
+
+                embedder.embed = counted
+                ours = lambda texts: [c for c in calls if set(texts) & set(c)]  # noqa: E731
+
+                [j] = engine.judge([Request(turn)])
+                assert [len(c) for c in ours([turn, *asks.split(turn)])] == [3], calls  # the turn and its two asks, at once
+                alone = [engine.rank(Request(a), 1).results[0].tool for a in asks.split(turn)]
+                assert [r.tool for r in j.asks] == alone == ["semantic_search", "delete_note"]
+
+                calls.clear()
+                await client(server).chat.completions.create(model="scripted", messages=[
+                    {"role": "user", "content": before}, {"role": "assistant", "content": "Noted."},
+                    {"role": "user", "content": follow_up}])  # fmt: skip
+                mine = ours([follow_up, *asks.split(follow_up)])
+                assert len(mine) == 1, calls  # the follow-up, joined to the turn before it, and both one's asks
+                assert {follow_up, f"{before}\n{follow_up}", "delete it", before.rstrip(".")} <= set(mine[0]), mine
+                assert "delete_note" in up.chats[0].tool_names, up.chats[0].tool_names
+
+    run(body(), timeout=180)

@@ -12,7 +12,7 @@ strategy, same derivation code) is read back whole from `index_rows` - its deriv
 texts and vectors in one blob, so a restart neither derives cases (~0.35 ms a tool) nor
 looks up each text - and only the rest is derived and embedded, in batches, missing texts
 first looked up in the embedding cache. A query's products with the index run on one BLAS
-thread (`_one_blas_thread`).
+thread (`one_blas_thread`).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ FEW_QUERIES = 64  # up to this many queries a product with the index is memory-b
 
 
 @contextlib.contextmanager
-def _one_blas_thread(queries: int):
+def one_blas_thread(queries: int):
     """A few queries against the index are matrix-vector products bound by memory: OpenBLAS
     spreading one over both cores of a loaded machine makes it ~10x slower (10,000 tools:
     median 12 vs 1.2 ms, p99 68 vs 16 ms), so for their span BLAS runs on one thread."""
@@ -355,7 +355,7 @@ class ToolIndex:
     def _similarities(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Row cosines (n, rows) and each tool's best row cosine (n, tools)."""
         q = np.atleast_2d(queries)
-        with _one_blas_thread(len(q)):
+        with one_blas_thread(len(q)):
             sims = q @ self.matrix.T
         if not self.names:
             return sims, sims[:, :0]
@@ -365,7 +365,7 @@ class ToolIndex:
         """(n_queries, n_tools) twice: cosine to each tool's one-text view, and each tool's
         best cosine over its case rows."""
         q = np.atleast_2d(queries)
-        with _one_blas_thread(len(q)):
+        with one_blas_thread(len(q)):
             primary = q @ self.primary.T
         return primary, self.tool_scores(q)
 
@@ -374,7 +374,7 @@ class ToolIndex:
         if self.classifier is None:
             return None
         q = np.atleast_2d(queries)
-        with _one_blas_thread(len(q)):
+        with one_blas_thread(len(q)):
             return self.classifier.logits(q)
 
     def tool_scores(self, queries: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ from .catalog import Catalog
 from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
-from .index import MIN_OWN_CASES, ToolIndex
+from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
@@ -43,11 +43,13 @@ SOURCES = ("user", "llm")
 
 
 class Detected(msgspec.Struct):
-    """`detect_batch`'s answer: the decisions, and each request's query vector (None when a
-    negative pattern blocked it unembedded), so a recommender need not embed it again."""
+    """`detect_batch`'s answer: the decisions, each request's query vector (None when a
+    negative pattern blocked it unembedded) and the views of every tool it was ranked on, so
+    a recommender need neither embed it nor score the catalog again."""
 
     decisions: list[Decision]
     vectors: list[np.ndarray | None]
+    views: list[Views | None] = []  # empty: none kept
 
 
 class QueryCache:
@@ -271,7 +273,7 @@ class Pipeline:
         embedded = self.queries.embed(self.embedder, [requests[i].text for i in todo])
         t_embed = time.perf_counter()
         live = [requests[i] for i in todo]
-        _, ranked, probability = self.scored(live, embedded.vectors, [routes[i] for i in todo])
+        views, ranked, probability = self.scored(live, embedded.vectors, [routes[i] for i in todo])
         candidates, confidence = dict(zip(todo, ranked)), dict(zip(todo, probability))
         t_cos = time.perf_counter()
         n = len(requests)
@@ -289,12 +291,20 @@ class Pipeline:
             d = decide(r.text, r.source, s, candidates.get(i, []), bars[r.source], timing, confidence.get(i))
             d.truncated = truncated.get(i, False)
             out.append(d)
-        rows = dict(zip(todo, embedded.vectors))
-        return Detected(out, [rows.get(i) for i in range(n)])
+        rows, seen = dict(zip(todo, embedded.vectors)), dict(zip(todo, views))
+        return Detected(out, [rows.get(i) for i in range(n)], [seen.get(i) for i in range(n)])
 
     def scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
         """Embedded, unblocked requests' views, ranked candidates and gate probability: the
-        catalog's own gate where it fitted one, else the gate head (None without either)."""
+        catalog's own gate where it fitted one, else the gate head (None without either). A
+        few requests' products (the adapter, the gate's exemplars) run on one BLAS thread, as
+        the index's do: on 2 busy cores OpenBLAS spreading nomic's 768x768 adapter product over
+        both made it ~30 ms a turn where one thread takes ~0.3 ms (py-spy, bench/proxy_latency.py
+        without model.blas_threads)."""
+        with one_blas_thread(len(requests)):
+            return self._scored(requests, vectors, routes)
+
+    def _scored(self, requests: Sequence[Request], vectors: np.ndarray, routes: Sequence[Route]) -> tuple[list[Views], list[list[Candidate]], list[float | None]]:
         views = self.views(requests, vectors)
         candidates = [self._top(v.scores[0], v.index, q, self.top_k) for v, q in zip(views, vectors)]
         owns = [self.own_for(r.source) for r in requests]

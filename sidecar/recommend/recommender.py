@@ -26,6 +26,7 @@ import numpy as np
 from ..core.catalog import Catalog, Tool
 from ..config import RecommendConfig
 from ..core.lexical import LexicalIndex
+from ..core.pipeline import Request, Views
 from ..learn.learned import TEMPERATURE
 from ..store.metrics import CallCount, MetricsStore, ToolMetrics, key_of
 from ..protocol import FallbackSuggestion
@@ -159,10 +160,13 @@ class Recommender:
         *,
         weights: S.Weights | None = None,
         query_vector: np.ndarray | None = None,
+        views: Views | None = None,
     ) -> Recommendations:
         """The `top` best tools for `query`, best first, each with its score, factors and a why.
         `query_vector`: the query's embedding when the caller already has it (the server's
-        gate embedded the same text). `weights` overrides the agent's variant (no caching)."""
+        gate embedded the same text); `views`: the pipeline's views of it, against the index
+        of `context.source`, when the gate already scored them (`Detected.views`). `weights`
+        overrides the agent's variant (no caching)."""
         t0 = time.perf_counter()
         ctx = context or F.Context()
         top = top or self.cfg.top
@@ -186,7 +190,7 @@ class Recommender:
                         self._cache.move_to_end(key)
                         return msgspec.structs.replace(res, cached=True, timing_ms=(time.perf_counter() - t0) * 1000)
                     del self._cache[key]
-        res = self._rank(state, query, ctx, top, mode, w, query_vector, generation, now)
+        res = self._rank(state, query, ctx, top, mode, w, query_vector, views, generation, now)
         res.variant = variant
         res.timing_ms = (time.perf_counter() - t0) * 1000
         if weights is None and self.cfg.cache_ttl_s > 0 and generation is not None:  # a blind ranking is not kept
@@ -264,8 +268,8 @@ class Recommender:
 
     # --- ranking -------------------------------------------------------------------------
 
-    def _rank(self, state, query, ctx, top, mode, w, query_vector, generation, now) -> Recommendations:
-        scored = self._score(state, query, ctx, mode, generation, now, query_vector=query_vector)
+    def _rank(self, state, query, ctx, top, mode, w, query_vector, views, generation, now) -> Recommendations:
+        scored = self._score(state, query, ctx, mode, generation, now, query_vector=query_vector, views=views)
         rows = scored["rows"]
         results = []
         for i, (values, info) in rows.items():
@@ -280,7 +284,7 @@ class Recommender:
         return Recommendations(query, out, mode, candidates=len(rows), excluded=scored["excluded"])
 
     def _score(self, state: _State, query: str, ctx: F.Context, mode: str, generation: int | None, now: float,
-               query_vector=None, extra: Sequence[int] = (), filtered: bool = True) -> dict:  # fmt: skip
+               query_vector=None, extra: Sequence[int] = (), filtered: bool = True, views: Views | None = None) -> dict:  # fmt: skip
         """Retrieve candidates and compute every candidate's five factor values."""
         n = len(state.tools)
         if n == 0:
@@ -291,7 +295,7 @@ class Recommender:
         if share > 0:
             if query_vector is None:  # through the query cache: a text the gate blocked unembedded is ranked (eval) and searched again
                 query_vector = self.pipeline.queries.embed(self.pipeline.embedder, [query]).vectors[0]
-            sem = self._semantic(state, query, ctx.source, np.asarray(query_vector, np.float32))
+            sem = self._semantic(state, query, ctx.source, np.asarray(query_vector, np.float32), views)
         if share < 1:
             raw_lex = state.lexical.scores(query).astype(np.float64)
             top_lex = float(raw_lex.max()) if n else 0.0
@@ -359,11 +363,11 @@ class Recommender:
             rows[int(i)] = (values, info)
         return {"rows": rows, "excluded": excluded}
 
-    def _semantic(self, state: _State, query: str, source: str, vector: np.ndarray) -> np.ndarray:
-        """Every catalog tool's relevance as the pipeline ranks it, in catalog order."""
-        from ..core.pipeline import Request
-
-        views = self.pipeline.views([Request(query, source)], vector[None, :])[0]
+    def _semantic(self, state: _State, query: str, source: str, vector: np.ndarray, views: Views | None = None) -> np.ndarray:
+        """Every catalog tool's relevance as the pipeline ranks it, in catalog order (on
+        `views` when the gate scored them already)."""
+        if views is None:
+            views = self.pipeline.views([Request(query, source)], vector[None, :])[0]
         index = views.index
         per_index = views.scores[0].astype(np.float64)
         with state.lock:
