@@ -147,3 +147,12 @@ def test_searches_are_bounded_and_never_loop(tmp_path):
                 assert metrics.value("sidecar_find_tools_total", outcome="limit") == 1
 
     run(body(), timeout=180)
+
+
+def test_the_query_is_ranked_without_its_labels_and_tools_are_described_in_one_line():
+    assert search.query_text("server: maps; tool: find parking near a landmark") == "maps. find parking near a landmark"
+    assert search.query_text("Server:github;Tool: open a pull request;") == "github. open a pull request"
+    assert search.query_text(" ; ") == ""
+    assert search.one_line("Get current weather.\n   It extracts the current conditions.") == "Get current weather."
+    long = search.one_line("word " * 100)
+    assert len(long) == search.DESCRIPTION_CHARS and long.endswith("…")
