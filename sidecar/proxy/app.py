@@ -240,7 +240,7 @@ class Proxy:
             self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(turns))
 
     async def _count(self, offer: Offer, dialect: shapes.Dialect) -> None:
-        self.metrics.tools_added.observe(len(offer.tools))
+        self.metrics.tools_added.observe(len(offer.names))  # catalog tools: find_tools is counted in the tokens only
         sent = _schema_tokens(offer.tools)
         self.metrics.schema_tokens_sent.inc(sent)
         self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens(dialect) - sent))
