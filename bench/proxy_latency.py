@@ -17,8 +17,8 @@
    of the two added p50s).
 2. Tool-schema tokens per request: every user turn of the labelled set is judged as the proxy
    judges a request (offer.Judge, the configured tier policy and both policies), and the tools
-   it would add are counted (cl100k_base, OpenAI function shape) against sending every catalog
-   tool; recall is the share of turns needing a tool whose expected tool is among those added.
+   it would add (find_tools too, as `proxy.find_tools` offers it) are counted (cl100k_base,
+   OpenAI function shape) against sending every catalog tool; recall is the share of turns needing a tool whose expected tool is among those added.
 
 Defaults: the default model, fixtures/catalogs/ALL.json, fixtures/corpus/heldout.jsonl (held out
 of every fit), 200 latency requests.
@@ -117,12 +117,12 @@ async def schema_tokens(server: ProxyServer, items: list) -> dict:
         for it in items:
             offer = await Judge(cfg, engine, None, server.executor).offer({"model": "m", "messages": [{"role": "user", "content": it.text}]})
             sent.append(tokens(offer.tools))
-            added.append(len(offer.tools))
+            added.append(len(offer.names))  # catalog tools (find_tools, when offered, is in the tokens, not here)
             expected = [it.expect] if isinstance(it.expect, str) else list(it.expect or ())
             if expected:
                 need += 1
                 hit += any(name in offer.names.values() for name in expected)
-            elif offer.tools:
+            elif offer.names:
                 fired_none += 1
         mean = statistics.fmean(sent)
         out["policies"][policy] = {

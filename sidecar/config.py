@@ -345,6 +345,12 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True):
     read_timeout_s: float = 300.0  # the upstream's silence, between bytes (past it: 504)
     max_body_bytes: int = 8 << 20  # a larger request body gets 413
     max_tool_result_chars: int = 20_000  # an MCP tool's result handed to the model is cut here
+    # A `find_tools` tool the proxy offers and answers itself (the model searches the catalog when
+    # the inject missed): on "always" every request the proxy may add tools to, on "when_none"
+    # those it added no injected tool to, or "never".
+    find_tools: Literal["always", "when_none", "never"] = "always"
+    max_searches: int = 2  # find_tools calls the proxy answers per request (then it is no longer offered)
+    find_tools_top: int = 5  # tools one search adds (best first)
 
     def __post_init__(self) -> None:
         if self.upstream is not None and not self.upstream.startswith(("http://", "https://")):
@@ -353,7 +359,8 @@ class ProxyConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"proxy.port={self.port} must be within 0..65535")
         if self.max_restarts < 0:
             raise ValueError(f"proxy.max_restarts={self.max_restarts} must not be negative")
-        for key in ("max_tool_rounds", "connect_timeout_s", "read_timeout_s", "max_body_bytes", "max_tool_result_chars"):
+        for key in ("max_tool_rounds", "connect_timeout_s", "read_timeout_s", "max_body_bytes", "max_tool_result_chars", "max_searches",
+                    "find_tools_top"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"proxy.{key}={getattr(self, key)} must be positive")
 

@@ -48,7 +48,10 @@ BARS = {("gate", "auto"): 0.85, ("gate", "confirm"): 0.5, ("gate", "high"): 0.85
 @contextlib.asynccontextmanager
 async def proxying(tmp_path: pathlib.Path, upstream: str, servers: dict | None = None, catalogs: list[str] | None = None,
                    bars: dict | None = BARS, **proxy):  # fmt: skip
-    """An in-process proxy on 127.0.0.1 (a free port) over `upstream`, the live `servers`, loaded."""
+    """An in-process proxy on 127.0.0.1 (a free port) over `upstream`, the live `servers`, loaded.
+    find_tools is not offered unless asked for (`find_tools="always"`): these tests are about
+    what the inject adds (tests/test_proxy_find_tools.py has the search)."""
+    proxy.setdefault("find_tools", "never")
     overrides = {("model", "name"): SMALL, ("store",): str(tmp_path / "sidecar.db"), ("proxy", "port"): 0,
                  ("proxy", "upstream"): upstream, ("catalogs",): catalogs, **(bars or {})}  # fmt: skip
     overrides |= {("proxy", k): v for k, v in proxy.items()}

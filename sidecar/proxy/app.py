@@ -42,7 +42,7 @@ from ..store import Store
 from ..serve.telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
 from ..learn.traffic import Turn
 from ..serve.web import _hostname, _loopback
-from . import shapes
+from . import search, shapes
 from .offer import Judge, Narration, Offer
 
 log = logging.getLogger("sidecar.proxy")
@@ -240,7 +240,7 @@ class Proxy:
             self.learner.add([Turn(turns[-1], vector, list(dict.fromkeys(judge.called)))], conversation_of(turns))
 
     async def _count(self, offer: Offer, dialect: shapes.Dialect) -> None:
-        self.metrics.tools_added.observe(len(offer.tools))
+        self.metrics.tools_added.observe(len(offer.names))  # catalog tools: find_tools is counted in the tokens only
         sent = _schema_tokens(offer.tools)
         self.metrics.schema_tokens_sent.inc(sent)
         self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens(dialect) - sent))
@@ -364,7 +364,7 @@ class Proxy:
         max_restarts; the reply so far goes along when the client was `shown` it), else a round
         with the results of the proxy's calls (within max_tool_rounds)."""
         dialect = judge.dialect
-        judge.called += [offer.names.get(c.name, c.name) for c in reply.calls.values() if c.name]
+        judge.called += [offer.names.get(c.name, c.name) for c in reply.calls.values() if c.name and not (c.name == search.FIND_TOOLS and c.ours)]
         messages = list(body["messages"])
         if narrated and restarts < self.opts.max_restarts:
             self.metrics.restarts.inc()
@@ -374,7 +374,10 @@ class Proxy:
         if reply.our_calls and not reply.client_calls and rounds < self.opts.max_tool_rounds:
             results = await self._run_calls(reply, offer, judge, body)
             follow = {**body, "messages": [*messages, *dialect.results(reply, results)]}
-            return dialect.with_tools(follow, [t for t in offer.tools if t not in (body.get("tools") or ())]), rounds + 1, restarts
+            follow = dialect.with_tools(follow, [t for t in offer.tools if t not in (body.get("tools") or ())])
+            if offer.searchable and offer.searches >= self.opts.max_searches:  # searched enough: find_tools is no longer offered
+                follow = without_tool(follow, dialect, search.FIND_TOOLS)
+            return follow, rounds + 1, restarts
         return None, rounds, restarts
 
     def _note(self, inject, dialect: shapes.Dialect) -> dict[str, Any]:
@@ -420,10 +423,23 @@ class Proxy:
         """Run the model's calls of the proxy's MCP tools (concurrently), each recorded in the
         metrics store: (call, result, failed) each. A failure's result carries the error and the
         fallbacks, which are also offered for the next round."""
-        results = await asyncio.gather(*(self._run(c, offer, judge.dialect.agent(body)) for c in reply.our_calls))
+        taken = judge.dialect.client_tool_names(body)
+        results = await asyncio.gather(*(self._search(c, offer, judge, taken) if c.name == search.FIND_TOOLS and offer.searchable
+                                         else self._run(c, offer, judge.dialect.agent(body)) for c in reply.our_calls))  # fmt: skip
         for _, fallbacks, _ in results:
             judge.add(offer, fallbacks, judge.dialect.client_tool_names(body))
         return [(call, content, failed) for call, (content, _, failed) in zip(reply.our_calls, results)]
+
+    async def _search(self, call: shapes.Call, offer: Offer, judge: Judge, taken: set[str]) -> tuple[str, list[dict[str, Any]], bool]:
+        """A find_tools call, answered by the proxy: the found tools join `offer` (and so the
+        next round's request); the model gets their names and one-line descriptions."""
+        try:
+            query = shapes.arguments_of(call).get("query")
+        except ValueError:
+            query = None
+        content, outcome = await judge.find(offer, query, taken)
+        self.metrics.find_tools.labels(outcome).inc()
+        return content, [], outcome in ("limit", "bad_query")
 
     async def _run(self, call: shapes.Call, offer: Offer, agent: str | None) -> tuple[str, list[dict[str, Any]], bool]:
         from ..mcp.calls import call_recorded, text_of
@@ -457,6 +473,12 @@ class Proxy:
         found = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: self.engine.recommender.fallbacks(name, context))
         every = meta.all_tools(self.manager.listings())
         return [{**every[f.tool], "score": f.score, "reason": f.reason} for f in found if f.tool in every]
+
+
+def without_tool(body: dict[str, Any], dialect: shapes.Dialect, name: str) -> dict[str, Any]:
+    """`body` without the tool `name` (and without `tools` when none is left)."""
+    tools = [t for t in body.get("tools") or () if dialect.tool_name(t) != name]
+    return {**{k: v for k, v in body.items() if k != "tools"}, **({"tools": tools} if tools else {})}
 
 
 def conversation_of(turns: list[str]) -> str:

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config
+from ..core.pipeline import Request
 from ..protocol import Hello, Inject
 from ..recommend.filters import Context
 from ..serve.session import Evaluation, Scope, Session, inject_for, judge
-from . import shapes
+from . import search, shapes
 
 if TYPE_CHECKING:
     from ..engine import Sidecar
@@ -48,9 +49,15 @@ class Offer:
     runnable: set[str] = field(default_factory=set)  # function names the proxy runs itself (live MCP tools)
     tier: str | None = None
     probability: float | None = None
+    searches: int = 0  # find_tools calls answered in this request
 
     def ours(self, function: str) -> bool:
         return function in self.runnable
+
+    @property
+    def searchable(self) -> bool:
+        """find_tools is offered: the proxy answers its calls."""
+        return search.FIND_TOOLS in self.runnable
 
 
 class Judge:
@@ -62,6 +69,7 @@ class Judge:
         self.session = Session(cfg.server)
         self.vectors: dict[str, Any] = {}  # each judged user stream's query vector (what learning from traffic keeps)
         self.called: list[str] = []  # catalog names of the tools the model called in this request's replies, first first
+        self.agent = agent
         down = live.unavailable if live is not None else None
         self.session.start(Hello(session="proxy", agent=agent), Scope(None, Context(agent=agent), engine, down))
 
@@ -114,7 +122,8 @@ class Judge:
 
     async def offer(self, body: Mapping[str, Any]) -> Offer:
         """What to add to `body`: nothing when its tool_choice forbids; else the last user
-        turn's inject (by the tier policy) and the catalog tools the conversation called."""
+        turn's inject (by the tier policy), the catalog tools the conversation called, and
+        find_tools by `proxy.find_tools` (not when the client has a tool of that name)."""
         offer = Offer()
         dialect = self.dialect
         if not dialect.adds_tools(body):
@@ -124,13 +133,39 @@ class Judge:
         turns = dialect.user_turns(messages)
         found = await self.user_turn(turns[-1], turns[-2] if len(turns) > 1 else "") if turns else []
         inject = next((inj for inj in found if self.allowed(inj)), None)
+        injected = []
         if inject is not None:
             offer.tier, offer.probability = inject.tier, inject.probability
-            self.add(offer, [t.definition for t in inject.tools], taken)
+            injected = self.add(offer, [t.definition for t in inject.tools], taken)
         catalog = self.engine.catalog
         earlier = [t.definition() for n in dialect.called_names(messages) if (t := catalog.get(n)) is not None]
         self.add(offer, earlier, taken)
+        policy = self.cfg.proxy.find_tools
+        if (policy == "always" or policy == "when_none" and not injected) and search.FIND_TOOLS not in taken and search.FIND_TOOLS not in offer.names:
+            offer.tools.append(dialect.tool(search.DEFINITION))
+            offer.runnable.add(search.FIND_TOOLS)
         return offer
+
+    async def find(self, offer: Offer, query: Any, taken: Collection[str]) -> tuple[str, str]:
+        """Answer one find_tools call: the query ranked by the engine (`Sidecar.rank`, as
+        `sidecar recommend`), the best `proxy.find_tools_top` tools added to `offer`, and the
+        tool result naming them; with the outcome ("found", "none", "limit", "bad_query")."""
+        opts = self.cfg.proxy
+        if offer.searches >= opts.max_searches:
+            return search.refused(f"no more searches in this request (at most {opts.max_searches}): use the tools you have"), "limit"
+        if not isinstance(query, str) or not (text := search.query_text(query)):
+            return search.refused('find_tools needs "query": the tool you need, e.g. "server: maps; tool: find parking near a landmark"'), "bad_query"
+        offer.searches += 1
+        down = sorted(self.live.unavailable()) if self.live is not None else []
+        context = Context(agent=self.agent, unavailable_servers=down)
+        ranked = await asyncio.get_running_loop().run_in_executor(
+            self.executor, lambda: self.engine.rank(Request(text), opts.find_tools_top, context=context))
+        catalog = self.engine.catalog
+        tools = [t for r in ranked.results if (t := catalog.get(r.tool)) is not None]
+        self.add(offer, [t.definition() for t in tools], taken)
+        by_name = {v: k for k, v in offer.names.items()}
+        found = [(by_name.get(t.name, shapes.function_name(t.name)), t.description) for t in tools]
+        return search.result(query, found), "found" if found else "none"
 
 
 class Narration:

@@ -102,6 +102,8 @@ class ProxyMetrics:
                                   ("action",), registry=r)  # fmt: skip
         self.restarts = Counter("sidecar_proxy_restarts", "Upstream calls stopped and sent again with narrated tools.", registry=r)
         self.mcp_calls = Counter("sidecar_proxy_mcp_calls", "Injected MCP tools the proxy ran, by outcome.", ("outcome",), registry=r)
+        self.find_tools = Counter("sidecar_find_tools", "find_tools calls the proxy answered itself, by outcome: found, none (nothing "
+                                  "matched), limit (past proxy.max_searches), bad_query.", ("outcome",), registry=r)  # fmt: skip
         self.upstream_errors = Counter("sidecar_proxy_upstream_errors", "Upstream calls that failed, by kind.", ("kind",), registry=r)
         self.cancelled = Counter("sidecar_proxy_cancelled", "Requests whose client went away before the answer.", registry=r)
         ProcessCollector(registry=r)
