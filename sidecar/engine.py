@@ -96,13 +96,13 @@ class Sidecar:
 
     @classmethod
     def open(cls, cfg: Config, *, catalog: Catalog | None = None, store: Store | None = None, progress: bool = True,
-             history: bool | MetricsStore = True, cases: bool = True) -> Sidecar:  # fmt: skip
+             history: bool | MetricsStore = True, cases: bool = True, at_once: bool = False) -> Sidecar:  # fmt: skip
         """Everything the config names, loaded and validated. `history=False`: rank without the
         call history (what a labelled set is judged with: it has none); a MetricsStore: that one
         (a caller that records calls before the model has loaded). `cases=False`: written
-        cases are added later (`pipeline.from_config`)."""
+        cases are added later; `at_once`: the tools not in the store too (`pipeline.from_config`)."""
         store = store if store is not None else open_store(cfg.store)
-        pipe = from_config(cfg, catalog=catalog, store=store, progress=progress, cases=cases)
+        pipe = from_config(cfg, catalog=catalog, store=store, progress=progress, cases=cases, at_once=at_once)
         first = screen_pipeline(cfg, pipe, progress)
         if history is True:
             history = open_history(cfg, store)

@@ -154,6 +154,23 @@ def _stored_entries(store: Store, model: str, scheme: str, hashes: list[str], di
     return out
 
 
+def stored_tools(catalog: Catalog, embedder: Embedder, strategy: Strategy, store: Store | None) -> set[str]:
+    """Names of the catalog's tools whose rows the store holds for this model and strategy:
+    what an index reads back without embedding (serve starts on them when many are not:
+    serve/completion.py)."""
+    if store is None:
+        return set()
+    store.ensure_schema(ROWS_SCHEMA)
+    scheme, hashes = rows_scheme(embedder, strategy), list(dict.fromkeys(t.content_hash for t in catalog))
+    found: set[str] = set()
+    for lo in range(0, len(hashes), _CHUNK):
+        chunk = hashes[lo : lo + _CHUNK]
+        marks = ",".join("?" * len(chunk))
+        found.update(h for (h,) in store.query(f"SELECT tool_hash FROM index_rows WHERE model=? AND scheme=? AND tool_hash IN ({marks})",
+                                              [embedder.identity, scheme, *chunk]))  # fmt: skip
+    return {t.name for t in catalog if t.content_hash in found}
+
+
 def _store_entries(store: Store, model: str, scheme: str, entries: list[_Entry]) -> None:
     """Keep new entries for the next start; a store busy past its bound only costs that."""
     encoder = msgspec.msgpack.Encoder()

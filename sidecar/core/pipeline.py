@@ -27,11 +27,11 @@ from .. import progress as progress_mod
 from .arguments import SymbolicIndex
 from .casebook import CaseBook, book_for
 from .cases import Strategy
-from .catalog import Catalog
+from .catalog import Catalog, Tool
 from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
-from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread
+from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread, stored_tools
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
@@ -40,6 +40,7 @@ from ..store import Store, open_store
 from ..learn.traffic import Learned
 
 SOURCES = ("user", "llm")
+COLD_AT_ONCE = 32  # tools a start may embed before serving (a few seconds); past it, serve and proxy start on the stored ones
 
 
 class Detected(msgspec.Struct):
@@ -127,6 +128,7 @@ class Pipeline:
         progress: bool = False,
         self_fit: bool = False,
         casebook: CaseBook | None = None,
+        whole: Catalog | None = None,
     ):
         self.embedder = embedder
         self.queries = QueryCache(query_cache)
@@ -145,12 +147,18 @@ class Pipeline:
         self.casebook = casebook  # written cases for tools whose catalog ships none (core/casebook.py)
         self.learned: Learned | None = None  # what user turns taught (sidecar/learn/traffic.py): applied to user texts
         self.indexes: dict[str, ToolIndex] = {}
-        self.reindex(catalog, progress=progress)
+        # The catalog to serve; `catalog` is the part indexed: all of it, but while serve and
+        # proxy add the tools a start found no vectors for (serve/completion.py)
+        self.whole = whole if whole is not None else catalog
+        self.reindex(catalog, progress=progress, partial=len(self.whole) != len(catalog))
 
-    def reindex(self, catalog: Catalog, persist: bool = True, progress: bool = False) -> dict[str, ToolIndex]:
+    def reindex(self, catalog: Catalog, persist: bool = True, progress: bool = False, partial: bool = False) -> dict[str, ToolIndex]:
         """(Re)build one index per distinct strategy, embedding only what changed (and, with
         `persist`, keeping it in the store). `progress`: bars on stderr while it embeds. Tools
-        with too few cases of their own get the case book's first."""
+        with too few cases of their own get the case book's first. `partial`: `catalog` is a
+        part of `whole` indexed so far (serve/completion.py): no self-fit until the whole is in."""
+        if not partial:
+            self.whole = catalog
         if self.casebook is not None:
             catalog = self.casebook.fill(catalog, MIN_OWN_CASES)
         built: dict[str, ToolIndex] = {}
@@ -163,12 +171,17 @@ class Pipeline:
         self.symbolic = SymbolicIndex(list(catalog))
         self.own = {}
         for key, index in built.items():
-            if self.self_fit and index.classifier is not None:
+            if self.self_fit and index.classifier is not None and not partial:
                 with progress_mod.slow_step(f"fitting the catalog's own gate and ranker on {len(index.texts)} cases", progress):
                     own = own_fit(index, self.lexical, self.symbolic, self.ranker, self.embedder.identity, index.names, store=self.store)
                 if own is not None:
                     self.own[key] = own
         return built
+
+    @property
+    def pending(self) -> list[Tool]:
+        """The tools of `whole` not indexed yet."""
+        return [t for t in self.whole if self.catalog.get(t.name) is None]
 
     def own_for(self, source: str) -> OwnFit | None:
         """What the catalog fitted of itself in the index `source` texts are judged against."""
@@ -190,7 +203,7 @@ class Pipeline:
         own = self.own_for(source)
         return own.gate.thresholds if own else self.thresholds
 
-    def with_catalog(self, catalog: Catalog, persist: bool = True, beside: bool = False) -> Pipeline:
+    def with_catalog(self, catalog: Catalog, persist: bool = True, beside: bool = False, partial: bool = False) -> Pipeline:
         """The same pipeline over another catalog (model, patterns, thresholds, ranker, gate head
         and store shared): its indexes reuse this one's unchanged tools and the store's
         embedding cache, so only new tool texts are embedded. This pipeline is untouched.
@@ -202,7 +215,7 @@ class Pipeline:
         if not persist:
             clone.casebook = None
         with self.embedder.beside() if beside else contextlib.nullcontext():
-            clone.reindex(catalog, persist)  # rebinds the clone's indexes and catalog
+            clone.reindex(catalog, persist, partial=partial)  # rebinds the clone's indexes and catalog
         return clone
 
     def index_for(self, source: str) -> ToolIndex:
@@ -451,13 +464,16 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
 
 
 def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool = True, store: Store | None = None,
-                calibration: bool | calib.Calibration = True, embedder: Embedder | None = None, cases: bool = True) -> Pipeline:  # fmt: skip
+                calibration: bool | calib.Calibration = True, embedder: Embedder | None = None, cases: bool = True,
+                at_once: bool = False) -> Pipeline:  # fmt: skip
     """Everything the config names, loaded and validated, as a ready pipeline. `calibration`:
     the config's file, else the model's built-in (True); none at all (False: what `tune` fits
     from: cosine thresholds, the default ranker, no gate head, plain derived cases); or the one
     given (what `tune` judges its held-out part with). `embedder`: a model already loaded.
     `cases=False`: no written cases yet, whatever `[cases] fill` says (serve and proxy add
-    them after they are ready: serve/casewriting.py)."""
+    them after they are ready: serve/completion.py). `at_once`: when more than COLD_AT_ONCE of
+    the catalog's tools are not in the store yet, index only those that are (seconds): the
+    rest stay `pending` for serve and proxy to add while they answer."""
     if isinstance(calibration, calib.Calibration):
         cal_file = calibration
     else:
@@ -481,5 +497,10 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     ranker, head, examples = (cal.ranker, cal.head, cal.examples) if cal is not None else (None, None, None)
     self_fit = cfg.index.self_fit and origin == "builtin"  # a calibration file or explicit thresholds are the user's word
     casebook = book_for(store, cfg.cases.packs) if cfg.cases.fill and cases else None
+    whole = cat
+    if at_once:
+        warm = set.intersection(*(stored_tools(cat, embedder, s, store) for s in set(strategies.values())))
+        if len(cat) - len(warm) > COLD_AT_ONCE:
+            cat = Catalog([t for t in cat if t.name in warm], cat.sources)
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
-                    progress=progress, self_fit=self_fit, casebook=casebook)  # fmt: skip
+                    progress=progress, self_fit=self_fit, casebook=casebook, whole=whole)  # fmt: skip

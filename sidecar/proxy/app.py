@@ -35,7 +35,7 @@ from .. import __version__
 from ..core.catalog import Catalog
 from ..config import Config
 from ..engine import Sidecar
-from ..serve.casewriting import start_case_writing
+from ..serve.completion import health, start_completion
 from ..serve.learner import Learner
 from ..mcp.config import McpConfig
 from ..store import Store
@@ -132,7 +132,7 @@ class Proxy:
             return await _error(send, 421, f"host {host} is not this proxy: a loopback proxy answers only to a loopback name", "invalid_request_error",
                                 dialect=dialect)  # fmt: skip
         if route == "/healthz" and method in ("GET", "HEAD"):
-            return await _respond(send, 200, b"ok\n", "text/plain")
+            return await _respond(send, 200, health(self.engine).encode(), "text/plain")
         if route == "/metrics" and method in ("GET", "HEAD"):
             return await _respond(send, 200, self.metrics.render(), CONTENT_TYPE)
         allowed = "GET" if route == "/models" or route.startswith("/models/") else "POST"
@@ -542,7 +542,7 @@ class ProxyServer:
         self.http = None
         self._serving: asyncio.Task | None = None
         self._sock: socket.socket | None = None
-        self.case_writing = None  # [cases] writer: cases written while serving (serve/casewriting.py)
+        self.completion = None  # the tools and cases added after ready (serve/completion.py)
 
     async def start(self) -> None:
         """Bind (a busy port fails here, before anything loads), load, then serve: connections
@@ -565,7 +565,7 @@ class ProxyServer:
         if self.cfg.learn.traffic and self.engine.store is not None:
             self.app.learner = Learner(self.engine, self.cfg.learn)
             self.app.learner.refit()  # what earlier runs recorded, in the background
-        self.case_writing = start_case_writing(self.engine, self.cfg, self.executor, None, upstream=self.cfg.proxy.upstream)
+        self.completion = start_completion(self.engine, self.cfg, self.executor, None, upstream=self.cfg.proxy.upstream)
         for dialect in (shapes.CHAT, shapes.MESSAGES):
             await self.app.catalog_tokens(dialect)
         import uvicorn
@@ -604,8 +604,8 @@ class ProxyServer:
                     await asyncio.wait_for(self.app.learner.drain(due=False), self.cfg.server.shutdown_timeout_s)
                 self.app.learner.close()
             await self.app.aclose()
-        if self.case_writing is not None:
-            self.case_writing.close()
+        if self.completion is not None:
+            self.completion.close()
         if self.live is not None:
             self.live.close()
         if self.manager is not None:

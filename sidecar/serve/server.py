@@ -59,7 +59,7 @@ from ..core.index import PRIMARY_CHARS
 from ..mcp.config import McpConfig
 from ..mcp.connections import ConnectionManager
 from ..mcp.live import LiveCatalog, go_live
-from .casewriting import CaseWriting, start_case_writing
+from .completion import Completion, start_completion
 from .pending import Pending
 from .learner import Learner
 from ..learn.traffic import Turns
@@ -305,7 +305,7 @@ class SidecarServer:
         self._servers: ConnectionManager | None = None
         self.limits = cfg.server
         self.engine: Sidecar | None = None
-        self.case_writing: CaseWriting | None = None  # [cases] writer: cases written while serving
+        self.completion: Completion | None = None  # the tools and cases added after ready (serve/completion.py)
         self.learner: Learner | None = None  # learning from traffic ([learn] traffic), set with the engine
         self._given = engine
         self.catalog = catalog
@@ -406,7 +406,7 @@ class SidecarServer:
         if self.cfg.learn.traffic and engine.store is not None:
             self.learner = Learner(engine, self.cfg.learn, self.metrics)
             self.learner.refit()  # what earlier runs recorded, in the background
-        self.case_writing = start_case_writing(engine, self.cfg, self._worker, self._indexer)
+        self.completion = start_completion(engine, self.cfg, self._worker, self._indexer)
         self.engine = engine  # last: a non-None engine means ready
 
     async def _rollups(self) -> None:
@@ -826,8 +826,8 @@ class SidecarServer:
         if self.learner is not None:
             await asyncio.wait_for(self.learner.drain(due=False), max(0.1, deadline - time.monotonic()))
             self.learner.close()
-        if self.case_writing is not None:
-            self.case_writing.close()
+        if self.completion is not None:
+            self.completion.close()
         for t in self._tasks:
             t.cancel()
         for c in list(self.connections.values()):
@@ -846,10 +846,11 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
     """The engine `serve` and `proxy` run on, ranking ready (before "listening on", not on the
     first user's request). With `live` MCP servers and no catalog files, it starts on no tools:
     the live servers' tools are indexed into it (mcp/live.py). Written cases come after it is
-    ready (serve/casewriting.py): embedding a dozen a tool must not hold up the first turn."""
+    ready, and so do the tools of a large catalog not yet in the store (serve/completion.py):
+    a first start on 605 tools embeds for a minute, which must not hold up the first turn."""
     if catalog is None and live and not cfg.catalogs:
         catalog = Catalog([])  # the live servers' tools alone
-    engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress, cases=False)
+    engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress, cases=False, at_once=True)
     engine.recommender.prepare()
     return engine
 

@@ -24,6 +24,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from .completion import health
 from .examples import examples
 from .page import page
 from .telemetry import CONTENT_TYPE
@@ -51,7 +52,7 @@ class Web:
             return conn.respond(421, f"host {host} is not this sidecar: a loopback sidecar answers only to a loopback name\n")
         if path == "/healthz":
             if s.ready:
-                return conn.respond(200, "ok\n")
+                return conn.respond(200, health(s.engine))
             return conn.respond(503, "shutting down\n" if s.closing else "loading\n")
         if path == "/metrics":
             if not self.authorized(request.headers, query):
