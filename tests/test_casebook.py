@@ -124,9 +124,10 @@ def test_serve_writes_cases_in_the_background_and_reindexes_with_them(tmp_path):
 def test_serve_is_ready_on_descriptions_then_adds_the_packs_and_remembers_its_fit(tmp_path):
     """A real `sidecar serve` on the defaults ([cases] fill) over filesystem.json, whose tools a
     shipped pack covers: it listens before the cases are in (ready on the descriptions), then
-    reindexes with them in the background; a real client's "save a text file" is then injected
-    write_file (descriptions alone leave it silent). The catalog's own fit is kept in the store:
-    a second start reads it instead of fitting again."""
+    reindexes with them in the background; a real client's "how big is report.pdf" is then
+    injected get_file_info first (descriptions alone: list_directory_with_sizes), the gate
+    judging it on the descriptions as before. The catalog's own fit is kept in the store: a second start reads it
+    instead of fitting again."""
     import asyncio
     import sqlite3
     import time as time_mod
@@ -138,14 +139,15 @@ def test_serve_is_ready_on_descriptions_then_adds_the_packs_and_remembers_its_fi
     store = tmp_path / "store.db"
     args = ["--catalog", str(CATALOGS / "filesystem.json"), "--store", str(store), "--model", "all-minilm-l6-v2"]
 
-    async def ask(url: str) -> list[p.Inject]:
-        async with await SidecarClient.connect(url, session="s") as sc:
-            await sc.user("u", "save a text file")
+    async def ask(url: str) -> list[str | None]:
+        """The best tool of each span that fired."""
+        async with await SidecarClient.connect(url, session="s", decisions=True) as sc:
+            await sc.user("u", "how big is report.pdf")
             await sc.end("u")
             got = []
             while not isinstance(msg := await sc.recv(60), p.Ended):
                 got.append(msg)
-            return [m for m in got if isinstance(m, p.Inject)]
+            return [m.tool for m in got if isinstance(m, p.DecisionReport) and m.fired]
 
     with serve_process(args, tmp_path) as served:
         deadline = time_mod.monotonic() + 180
@@ -153,8 +155,8 @@ def test_serve_is_ready_on_descriptions_then_adds_the_packs_and_remembers_its_fi
             time_mod.sleep(0.5)
         log = served.log_text()
         assert log.index("listening on") < log.index("written cases added"), log[-2000:]
-        injects = asyncio.run(ask(served.url))
-    assert [i.tools[0].definition["name"] for i in injects] == ["write_file"], injects
+        best = asyncio.run(ask(served.url))
+    assert best == ["get_file_info"], best
     fits = sqlite3.connect(store).execute("SELECT key, created FROM self_fits ORDER BY key").fetchall()
     assert fits
     with serve_process(args, tmp_path, name="again") as served:
@@ -162,7 +164,7 @@ def test_serve_is_ready_on_descriptions_then_adds_the_packs_and_remembers_its_fi
         while "written cases added" not in served.log_text() and time_mod.monotonic() < deadline:
             time_mod.sleep(0.5)
         assert "written cases added" in served.log_text()
-        assert [i.tools[0].definition["name"] for i in asyncio.run(ask(served.url))] == ["write_file"]
+        assert asyncio.run(ask(served.url)) == ["get_file_info"]
     assert sqlite3.connect(store).execute("SELECT key, created FROM self_fits ORDER BY key").fetchall() == fits  # read, not fitted again
 
 

@@ -114,7 +114,7 @@ def _write_config(tmp_path, catalogs: list[str], store: str) -> str:
         f'[model]\nname = "{models.SMALL_MODEL}"\n'
         f"[server]\nhost = \"127.0.0.1\"\nport = 0\ninject_margin = 1.0\nmax_inject_tools = {K}\n"
         f"[recommend]\ntop = {K}\n"
-        '[proxy]\nhost = "127.0.0.1"\nport = 0\nconfirm_tools = "include"\non_narration = "off"\n'
+        '[proxy]\nhost = "127.0.0.1"\nport = 0\nconfirm_tools = "include"\non_narration = "off"\nfind_tools = "never"\n'
         "[cases]\nfill = false\n"  # serve and the proxy add the packs' cases after they start: every door on the descriptions alone
     )
     return str(path)

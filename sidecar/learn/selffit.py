@@ -21,6 +21,14 @@ far more about itself than that, and this module reads it:
   out-of-fold logits and each case's nearest *other* case, so a view that only works on the
   texts it was fitted on gets no credit.
 
+Cases *written* for a catalog (the shipped packs, a case writer: core/casebook.py) fit the
+ranker only; the gate judges the catalog as shipped (`Pipeline.gate_views`). A gate read off
+written cases was measured and lost: each held-out server's own tools
+(`fixtures/corpus/heldout-own.jsonl`, nomic) fired on 39% of chat turns (AUROC 0.967 -> 0.665),
+since cases written from a description say how a tool is asked, not what a turn that needs no
+tool looks like. The ranker they fit put the right tool first 93.3% of the time, against 77.1%
+on the descriptions (docs/benchmarks.md, "One server's tools").
+
 Applies where the built-in calibration is in force (a calibration file or explicit thresholds
 are the user's word and win) and the index fits a classifier; `[index] self_fit = false` turns it
 off. Memoised per catalog content, like the classifier.
@@ -40,13 +48,15 @@ import orjson
 
 from ..core.gate import Thresholds
 from ..core.arguments import SymbolicIndex
-from .learned import ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_views, logit, rank_features
+from .learned import RANK_FEATURES, ClassifierFit, Ranker, RankerFit, adapt, classifier_view, fit_logistic, held_views, logit, rank_features
 
 if TYPE_CHECKING:
     from ..core.index import ToolIndex
     from ..core.lexical import LexicalIndex
     from ..store.base import Store
 
+SIMILARITY_VIEWS = ("cosine", "lexical", "cases", "classifier")  # the nearer, the likelier: never weighed below 0
+FIT_VERSION = 2  # a change to how a fit is made: fits kept in a store before it are made again
 AUTO_PRECISION = 0.97  # of simulated fires in scope, from which a fire is injected without asking
 
 
@@ -67,7 +77,7 @@ class OwnFit(msgspec.Struct, frozen=True):
     """What a catalog fitted of itself: its ranker (the built-in adapter kept) and its gate."""
 
     ranker: Ranker
-    gate: CasesGate
+    gate: CasesGate | None  # None: cases written for it (packs, a writer), its gate stays the built-in head
     rows: int  # cases it was fitted on
     seconds: float
 
@@ -81,17 +91,17 @@ class SelfFit(msgspec.Struct, frozen=True):
     classifier: ClassifierFit = msgspec.field(default_factory=ClassifierFit)
     seed: int = 0
 
-    def fit(self, index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker) -> OwnFit:
+    def fit(self, index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker, gate: bool = True) -> OwnFit:
+        """`gate=False`: the ranker alone (no leave-tools-out folds)."""
         t0 = time.perf_counter()
         rng = np.random.default_rng(self.seed)
         x, y, tools = index.matrix, index.row_tool, len(index.names)
         rows = np.sort(rng.choice(len(y), self.max_rows, replace=False)) if len(y) > self.max_rows else np.arange(len(y))
         x, y = x[rows], y[rows]
         inside, logits = self._out_of_fold(x, y, tools, rng)
-        outside = self._leave_tools_out(x, y, tools, rng)
-        gate = _gate(inside, outside)
+        own_gate = _gate(inside, self._leave_tools_out(x, y, tools, rng)) if gate else None
         ranker = self._ranker(index, lexical, symbolic, base, rows, logits)
-        return OwnFit(ranker, gate, len(rows), time.perf_counter() - t0)
+        return OwnFit(ranker, own_gate, len(rows), time.perf_counter() - t0)
 
     def _out_of_fold(self, x: np.ndarray, y: np.ndarray, tools: int, rng) -> tuple[np.ndarray, np.ndarray]:
         """Each case's best probability, and its logits, from a classifier fitted without it."""
@@ -135,7 +145,15 @@ class SelfFit(msgspec.Struct, frozen=True):
         # The HELD_VIEWS keep the built-in weights (`held_views`): on a tool's own cases the
         # word and server views look surer than on requests.
         held = held_views(base, features.shape[-1])
-        weights = RankerFit().weights(features, [[int(t)] for t in index.row_tool[rows]], fixed=held)
+        targets = [[int(t)] for t in index.row_tool[rows]]
+        weights = RankerFit().weights(features, targets, fixed=held)
+        # A similarity view weighed below 0 would rank a tool lower the nearer a text is to it
+        # (and a lesson from traffic, which adds to the cases view, would push its tool down):
+        # held at 0 and the rest fitted again.
+        negative = [j for j, v in enumerate(RANK_FEATURES) if v in SIMILARITY_VIEWS and weights[j] < 0]
+        if negative:
+            held = [0.0 if j in negative else h for j, h in enumerate(held)]
+            weights = RankerFit().weights(features, targets, fixed=held)
         return Ranker(weights, base.adapter)
 
 
@@ -181,26 +199,27 @@ class _Kept(msgspec.Struct, frozen=True):
     """An OwnFit as the store keeps it: the ranker's weights alone (its adapter is the base's)."""
 
     weights: tuple[float, ...]
-    gate: CasesGate
+    gate: CasesGate | None
     rows: int
     seconds: float
 
 
 def own_fit(index: ToolIndex, lexical: LexicalIndex, symbolic: SymbolicIndex, base: Ranker, model: str, names: Sequence[str],
-            fit: SelfFit = SelfFit(), store: Store | None = None) -> OwnFit | None:  # fmt: skip
+            fit: SelfFit = SelfFit(), store: Store | None = None, gate: bool = True) -> OwnFit | None:  # fmt: skip
     """`fit.fit`, memoised by model, index content, base ranker and hyper-parameters, here and
     in `store` (a restart on an unchanged catalog refits nothing: the fit is seconds of the
     start); None for a catalog of more than `fit.max_tools` tools (it keeps the built-in
-    calibration)."""
+    calibration). `gate=False` fits the ranker alone: for cases written for the catalog rather
+    than shipped with it (see the module's note)."""
     if len(names) > fit.max_tools:
         return None
-    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in names), base.weights, base.adapter is not None)
+    key = (model, str(index.strategy), tuple(index.entries[n].hash for n in names), base.weights, base.adapter is not None, gate)
     if key in _fits:
         return _fits[key]
-    digest = hashlib.sha256(orjson.dumps([list(map(str, key)), msgspec.json.encode(fit).decode(), _adapter_digest(base)])).hexdigest()
+    digest = hashlib.sha256(orjson.dumps([FIT_VERSION, list(map(str, key)), msgspec.json.encode(fit).decode(), _adapter_digest(base)])).hexdigest()
     own = _read(store, digest, base)
     if own is None:
-        own = fit.fit(index, lexical, symbolic, base)
+        own = fit.fit(index, lexical, symbolic, base, gate)
         _write(store, digest, own)
     while len(_fits) >= 4:
         _fits.pop(next(iter(_fits)))
