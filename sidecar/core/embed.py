@@ -143,6 +143,14 @@ class Embedder:
         finally:
             self._local.context = before
 
+    def load_beside(self) -> None:
+        """Load the second context now. llama-cpp-python points the process's stdout and
+        stderr (file descriptors 1 and 2) at /dev/null while it loads a model without
+        `verbose`: whatever any other thread printed meanwhile was lost (a `serve` whose
+        completion loaded it while the main thread said "listening on" said nothing, 1 start
+        in 3 of a 62-tool cold catalog). A process that will need it loads it before it speaks."""
+        self._second()
+
     def _second(self) -> tuple[object, threading.Lock]:
         with self._beside_loading:
             if self._beside is None:
