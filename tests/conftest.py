@@ -45,17 +45,19 @@ class Served:
 
 @contextlib.contextmanager
 def serve_process(args: Sequence[str], tmp: pathlib.Path, *, env: Mapping[str, str | None] | None = None,
-                  timeout: float = 120, name: str = "serve") -> Iterator[Served]:  # fmt: skip
+                  timeout: float = 120, name: str = "serve", whole: bool = True) -> Iterator[Served]:  # fmt: skip
     """`sidecar serve ARGS` on 127.0.0.1, port 0 (ARGS may override both), logging to
     TMP/NAME.log; yields once its log says where it listens (only said once everything has
-    loaded), stops it on exit. `env` is laid over os.environ (None removes a variable)."""
-    with serve_processes([args], tmp, env=env, timeout=timeout, name=name) as (served,):
+    loaded) and, with `whole`, its /healthz says every tool is indexed (a cold catalog of more
+    than 32 tools is indexed after it listens); stops it on exit. `env` is laid over
+    os.environ (None removes a variable)."""
+    with serve_processes([args], tmp, env=env, timeout=timeout, name=name, whole=whole) as (served,):
         yield served
 
 
 @contextlib.contextmanager
 def serve_processes(argss: Sequence[Sequence[str]], tmp: pathlib.Path, *, env: Mapping[str, str | None] | None = None,
-                    timeout: float = 120, name: str = "serve") -> Iterator[list[Served]]:  # fmt: skip
+                    timeout: float = 120, name: str = "serve", whole: bool = True) -> Iterator[list[Served]]:  # fmt: skip
     """`serve_process` for several processes started at once (they load side by side), logging to
     TMP/NAME-0.log, TMP/NAME-1.log ... (TMP/NAME.log for one); fails with a process's log
     when it exits or is not listening within `timeout` s, and stops every one on exit."""
@@ -75,7 +77,11 @@ def serve_processes(argss: Sequence[Sequence[str]], tmp: pathlib.Path, *, env: M
                     stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
                 ))  # fmt: skip
         deadline = time.monotonic() + timeout
-        yield [Served(_listening_url(proc, log, deadline), proc, log) for proc, log in zip(procs, logs)]
+        urls = [_listening_url(proc, log, deadline) for proc, log in zip(procs, logs)]
+        if whole:
+            for url, log in zip(urls, logs):
+                _whole(url, log, deadline)
+        yield [Served(url, proc, log) for url, proc, log in zip(urls, procs, logs)]
     finally:
         for proc in procs:
             _stop(proc)
@@ -93,6 +99,24 @@ def _listening_url(proc: subprocess.Popen, log: pathlib.Path, deadline: float) -
         if time.monotonic() > deadline:
             pytest.fail(f"sidecar serve was not listening in time; its log ({log}):\n{text}")
         time.sleep(0.1)
+
+
+def _whole(url: str, log: pathlib.Path, deadline: float) -> None:
+    """Wait until the server at ws `url` says on /healthz that its whole catalog is indexed."""
+    import urllib.request
+
+    health = url.replace("ws://", "http://", 1).rstrip("/") + "/healthz"
+    body = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(health, timeout=5) as r:
+                body = r.read().decode()
+        except OSError as e:  # a 503 while loading, or not answering yet
+            body = str(e)
+        if body == "ok\n":
+            return
+        time.sleep(0.2)
+    pytest.fail(f"sidecar serve never indexed its whole catalog ({health}: {body!r}); its log ({log}):\n{log.read_text(errors='replace')}")
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:

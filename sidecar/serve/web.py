@@ -68,7 +68,8 @@ class Web:
         if path == "/examples":
             if s.engine is None:
                 return conn.respond(503, "loading the model; retry shortly\n")
-            return _typed(conn.respond(200, msgspec.json.encode(examples(s.engine.catalog)).decode()), "application/json")
+            # the catalog as its authors shipped it: all of it, written cases or not (they come later)
+            return _typed(conn.respond(200, msgspec.json.encode(examples(s.engine.pipeline.whole)).decode()), "application/json")
         if s.closing:
             return conn.respond(503, "shutting down\n")
         if s.engine is None:
