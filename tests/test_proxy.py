@@ -208,7 +208,11 @@ def test_metrics_count_each_request_once(tmp_path):
                 [_ async for _ in stream]
                 await c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": CHAT}])
                 async with httpx2.AsyncClient() as http:
-                    metrics = scraped((await http.get(server.url + "/metrics")).text)
+                    for _ in range(100):  # a request is counted once its answer is on its way: the last may still be
+                        metrics = scraped((await http.get(server.url + "/metrics")).text)
+                        if metrics["sidecar_proxy_tools_added_count"] >= 3:
+                            break
+                        await asyncio.sleep(0.05)
                 added = [r.body.get("tools") or [] for r in up.chats]
                 assert [bool(tools) for tools in added] == [True, True, False], [r.tool_names for r in up.chats]
                 sent = [count_tokens(json.dumps(tools, separators=(",", ":"), ensure_ascii=False)) if tools else 0 for tools in added]

@@ -98,7 +98,7 @@ class Proxy:
         self.http = httpx2.AsyncClient(timeout=timeout, trust_env=False)
         self.metrics = ProxyMetrics()
         self.learner: Learner | None = None  # learning from traffic ([learn] traffic): set by ProxyServer
-        self._counted: dict[str, tuple[Catalog, int]] = {}  # by dialect
+        self._counted: dict[str, tuple[Catalog, bytes, int]] = {}  # by dialect: the catalog, a digest of its schemas, their tokens
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -112,10 +112,15 @@ class Proxy:
         counted = self._counted.get(dialect.name)
         if counted is None or counted[0] is not catalog:
             every = [dialect.tool(t.definition()) for t in catalog]
-            counted = self._counted[dialect.name] = (catalog, await asyncio.to_thread(_schema_tokens, every))
+            digest = hashlib.blake2b(orjson.dumps(every), digest_size=16).digest()
+            if counted is not None and counted[1] == digest:  # the same schemas (written cases added): no count, no wait
+                tokens = counted[2]
+            else:
+                tokens = await asyncio.to_thread(_schema_tokens, every)
+            counted = self._counted[dialect.name] = (catalog, digest, tokens)
             if dialect is shapes.CHAT:
-                self.metrics.catalog_tokens.set(counted[1])
-        return counted[1]
+                self.metrics.catalog_tokens.set(tokens)
+        return counted[2]
 
     # ---- ASGI --------------------------------------------------------------------------------
 
@@ -243,6 +248,7 @@ class Proxy:
         self.metrics.tools_added.observe(len(offer.names))  # catalog tools: find_tools is counted in the tokens only
         sent = _schema_tokens(offer.tools)
         self.metrics.schema_tokens_sent.inc(sent)
+        # counted in a thread the first time, and after the catalog's schemas changed
         self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens(dialect) - sent))
 
     def _upstream_error(self, e: Exception) -> UpstreamError:
