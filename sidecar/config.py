@@ -51,6 +51,10 @@ class GateConfig(msgspec.Struct, forbid_unknown_fields=True):
     confirm: float | None = None
     patterns: str | None = None  # directory with lists.txt, negative.txt, high.txt
     regex_timeout_ms: float = 20.0
+    # The model's replies: "commit" fires only where the text commits to an action (a
+    # high-confidence pattern: "let me check ...", "I'll look up ..."); "any" judges every
+    # span as a user turn is judged (questions, results and summaries fired too: docs/benchmarks.md).
+    replies: Literal["commit", "any"] = "commit"
 
     def __post_init__(self) -> None:
         if not 0 < self.regex_timeout_ms <= 10_000:

@@ -62,7 +62,7 @@ def test_the_engine_has_a_screen_of_the_small_model_on_the_same_catalog(engine):
 
 def test_small_talk_is_settled_without_the_main_model(engine):
     before, stats = main_texts(engine), (engine.cascade_stats.settled, engine.cascade_stats.passed)
-    [j] = engine.judge([Request(SMALL_TALK, "llm")])
+    [j] = engine.judge([Request(SMALL_TALK)])
     d = j.decision
     assert main_texts(engine) == before  # nomic never saw it
     assert d.path == engine_mod.SETTLED_PATH and d.kind == "fallback" and not d.fired and d.tier is None and j.ranked is None
@@ -82,7 +82,7 @@ def test_a_clear_tool_request_reaches_the_main_model(engine):
 
 def test_a_mixed_batch_sends_only_the_unsettled_texts_to_the_main_model(engine):
     before = main_texts(engine)
-    judged = engine.judge([Request(SMALL_TALK, "llm"), Request(TOOL_REQUEST), Request("ok, sounds good to me.", "llm")])
+    judged = engine.judge([Request(SMALL_TALK), Request(TOOL_REQUEST), Request("ok, sounds good to me.")])
     assert [j.decision.path for j in judged] == [engine_mod.SETTLED_PATH, "fallback", engine_mod.SETTLED_PATH]
     assert main_texts(engine) == before + 1
 
@@ -90,7 +90,7 @@ def test_a_mixed_batch_sends_only_the_unsettled_texts_to_the_main_model(engine):
 def test_a_high_pattern_text_is_never_settled_and_a_negative_match_is_screened_like_any_fallback_text(engine):
     everything = Sidecar(with_cutoff(engine.cfg, 1.0), engine.pipeline, None, None, engine.screen)  # settles every fallback text
     main0, screen0 = main_texts(engine), screened(engine)
-    high, neg, small = everything.judge([Request(HIGH), Request(NEGATIVE), Request(SMALL_TALK, "llm")])
+    high, neg, small = everything.judge([Request(HIGH), Request(NEGATIVE), Request(SMALL_TALK)])
     assert high.decision.kind == "high" and high.decision.path != engine_mod.SETTLED_PATH
     # the built-in heads weigh a negative match rather than obey it: the text takes the fallback path
     assert engine.pipeline.route(Request(NEGATIVE)).path.startswith("fallback:negative:")
@@ -110,7 +110,7 @@ def test_a_session_catalog_keeps_the_screen(engine):
     assert derived.screen.catalog is derived.catalog and engine.screen.catalog is engine.catalog
     assert derived.cascade_stats is engine.cascade_stats  # /metrics counts every session's texts
     before, settled = main_texts(derived), engine.cascade_stats.settled
-    [j] = derived.judge([Request(SMALL_TALK, "llm")])
+    [j] = derived.judge([Request(SMALL_TALK)])
     assert j.decision.path == engine_mod.SETTLED_PATH and main_texts(derived) == before
     assert engine.cascade_stats.settled == settled + 1
     assert all(c.tool in set(other.names()) for c in j.decision.candidates)  # the screen ranked the session's tools
@@ -183,7 +183,7 @@ def test_the_screen_follows_a_catalog_reindexed_in_place(engine):
     derived = engine.with_catalog(load_catalog([CATALOGS / "time.json"]), persist=False)
     derived.pipeline.reindex(load_catalog([CATALOGS / "fetch.json"]), persist=False)
     assert derived.screen.catalog is not derived.catalog
-    [j] = derived.judge([Request(SMALL_TALK, "llm")])
+    [j] = derived.judge([Request(SMALL_TALK)])
     assert derived.screen.catalog is derived.catalog
     assert {c.tool for c in j.decision.candidates} <= set(derived.catalog.names())
 
@@ -195,7 +195,7 @@ def test_the_cascade_command_fits_and_reports(engine, tmp_path, capsys):
 
     from sidecar import cli
 
-    rows = [{"text": t, "expect": None, "source": "llm"} for t in (SMALL_TALK, "ok, sounds good to me.", "I hope your weekend was relaxing.")]
+    rows = [{"text": t, "expect": None} for t in (SMALL_TALK, "ok, sounds good to me.", "I hope your weekend was relaxing.")]
     rows += [{"text": TOOL_REQUEST, "expect": "semantic_search"}, {"text": HIGH, "expect": "semantic_search"}]
     labeled = tmp_path / "l.jsonl"
     labeled.write_text("".join(json.dumps(r) + "\n" for r in rows))

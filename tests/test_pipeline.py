@@ -48,6 +48,33 @@ def test_llm_narration_fires_with_the_llm_strategy(pipe):
     assert d.source == "llm"
 
 
+@pytest.mark.parametrize("text", [
+    "Your note about the kubernetes cluster upgrade has been saved in the ops folder.",  # a result
+    "Could you please check which of your notes on kubernetes you want me to update?",  # asks the user
+])  # fmt: skip
+def test_a_reply_that_commits_to_no_action_is_not_judged(pipe, text):
+    """[gate] replies = "commit" (the default): the model's own text fires only on a commitment
+    ("let me ...", "I'll ..."); anything else is blocked before it is embedded. The same words
+    from the user, or with replies = "any", are judged."""
+    assert pipe.replies_commit
+    misses = pipe.queries.misses
+    d = pipe.detect(text, "llm")
+    assert d.path == "negative:uncommitted" and not d.fired and not d.candidates
+    assert pipe.queries.misses == misses  # nothing embedded
+    assert pipe.detect(text).candidates  # a user turn is judged
+    judged = copy.copy(pipe)
+    judged.replies_commit = False
+    assert judged.detect(text, "llm").kind == "fallback" and judged.detect(text, "llm").candidates
+    assert pipe.detect("Let me update your kubernetes note with the new steps.", "llm").path == "high:let_me"
+
+
+def test_replies_are_configured_and_checked(pipe):
+    cfg = config_mod.load(env={}, overrides={("model", "name"): pipe.embedder.name, ("catalogs",): [str(NOTES)], ("gate", "replies"): "any"})
+    assert not pipeline.from_config(cfg, embedder=pipe.embedder, store=pipe.store, progress=False).replies_commit
+    with pytest.raises(config_mod.ConfigError, match="replies"):
+        config_mod.load(env={}, overrides={("gate", "replies"): "sometimes"})
+
+
 @pytest.mark.parametrize(
     "text",
     ["the search algorithm runs in O(n log n)", "our CRUD layer wraps every table", "CREATE TABLE notes (id int)"],

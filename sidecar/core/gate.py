@@ -156,19 +156,32 @@ class Decision(msgspec.Struct, omit_defaults=False):
         return path_kind(self.path)
 
 
-def route(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False) -> Route:
+UNCOMMITTED = Route("negative:uncommitted")  # a reply that commits to no action (`route`)
+
+
+def route(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False,
+          replies_commit: bool = False) -> Route:  # fmt: skip
     """`weigh_negatives`: a negative match does not block; the text takes the fallback path and
     the gate head, which has the match as a feature, decides (a fitted head weighs "the Delete
-    button" in "let me click the Delete button" better than a rule that blocks it)."""
+    button" in "let me click the Delete button" better than a rule that blocks it).
+
+    `replies_commit`: the model's own text fires only where it commits to an action (a
+    high-confidence pattern: "let me check", "I'll retrieve", "searching the ..."). A reply
+    is mostly about the work: questions to the user, results, summaries, all in the words
+    of the catalog; on real agent replies (tau-bench airline) the ones on no pattern's path
+    fired for 1 right tool in 90, and no threshold on the gate's probability told them apart."""
+    uncommitted = replies_commit and source == "llm"
     neg = patterns.negative.first(text, source)
     if neg:
-        if weigh_negatives and not neg.timed_out:  # a search that ran out of time still fails closed
-            return Route(f"fallback:negative:{neg.id}")
-        return Route(f"negative:{neg.id}", neg)
+        if neg.timed_out or not weigh_negatives:  # a search that ran out of time still fails closed
+            return Route(f"negative:{neg.id}", neg)
+        if uncommitted and not patterns.high.first(text, source):
+            return UNCOMMITTED
+        return Route(f"fallback:negative:{neg.id}")
     high = patterns.high.first(text, source)
     if high:
         return Route(f"high:{high.id}", high)
-    return Route("fallback")
+    return UNCOMMITTED if uncommitted else Route("fallback")
 
 
 def fires(kinds: Sequence[PathKind], scores: np.ndarray, t: Thresholds, tools: Sequence[str | None] | None = None) -> np.ndarray:

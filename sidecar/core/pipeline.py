@@ -129,8 +129,10 @@ class Pipeline:
         self_fit: bool = False,
         casebook: CaseBook | None = None,
         whole: Catalog | None = None,
+        replies_commit: bool = False,
     ):
         self.embedder = embedder
+        self.replies_commit = replies_commit  # the model's text fires only on a commitment (gate.route)
         self.queries = QueryCache(query_cache)
         self.patterns = patterns
         self.thresholds = thresholds
@@ -382,7 +384,7 @@ class Pipeline:
         fitted with it as a feature: then the head weighs it."""
         if request.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {request.source!r}")
-        return route(request.text, request.source, self.patterns, self._weigh_negatives)
+        return route(request.text, request.source, self.patterns, self._weigh_negatives, self.replies_commit)
 
     def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], routes) -> list[float | None]:
         """The gate head's probability that each text needs a tool (None without a head)."""
@@ -532,4 +534,5 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
         if len(cat) - len(warm) > COLD_AT_ONCE:
             cat = Catalog([t for t in cat if t.name in warm], cat.sources)
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
-                    progress=progress, self_fit=self_fit, casebook=casebook, whole=whole)  # fmt: skip
+                    progress=progress, self_fit=self_fit, casebook=casebook, whole=whole,
+                    replies_commit=cfg.gate.replies == "commit")  # fmt: skip
