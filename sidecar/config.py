@@ -156,6 +156,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # split (0.05 -> 0.03: recall of the called tools 88.1% -> 87.9%, precision 71.0% -> 74.6%).
     inject_margin: float = 0.03
     max_inject_tools: int = 3
+    # Tools one session keeps in the model's context at once (0: no bound). Past it an inject
+    # names in `drop` the tools to take out: first the oldest never called (no tool_result),
+    # then the oldest called. A tool dropped is injected again when a later stream asks for it.
+    context_tools: int = 0
     split_asks: bool = True  # a user turn of several asks also injects the best tool of each ask that needs one (sidecar/core/asks.py)
     shutdown_timeout_s: float = 10.0  # finishing in-flight work on SIGTERM
     # Backpressure: spans, `end`s and store writes one connection may have waiting; at this
@@ -225,6 +229,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
+        if not 0 <= self.context_tools <= 10_000:
+            raise ValueError(f"server.context_tools={self.context_tools} must be within 0..10000 (0: no bound)")
         if self.max_turn_chars < 64:
             raise ValueError(f"server.max_turn_chars={self.max_turn_chars} must be at least 64")
         if self.max_stream_chars < 16:

@@ -193,6 +193,9 @@ class Inject(msgspec.Struct, tag="inject", tag_field="type", kw_only=True, omit_
     # Only when a learned sequence added a tool: every injected tool in the order it is
     # likely called (prerequisites first). A client that ignores it loses nothing.
     workflow: list[WorkflowStep] = []
+    # Only with `server.context_tools` set: tools this session was injected before that the
+    # model's context should no longer hold (the budget is full; the oldest unused go first).
+    drop: list[str] = []
 
 
 class DecisionReport(msgspec.Struct, tag="decision", tag_field="type", kw_only=True):

@@ -77,6 +77,13 @@ class Summary(msgspec.Struct):
     # replies that called tools whose calls were injected exactly (during the reply or on the
     # user turn it answers: nothing missing, nothing more), over the replies that called tools
     exact_set: float = float("nan")
+    # Per reply, the tokens of the tool schemas the session's model holds by its end: every tool
+    # injected in the conversation so far, less those an inject said to drop
+    # (`server.context_tools`); p50, p90 and mean (cl100k_base, each tool as compact JSON)
+    context_tokens: dict[str, float] = {}
+    # Of the tools replies called, those the model's context held when it called them: injected
+    # anywhere earlier in the conversation (or during the reply) and not dropped since
+    held_when_called: float = float("nan")
 
 
 def _truths(conv: Conversation) -> list[list[str]]:
@@ -127,11 +134,23 @@ def score(conversations: Sequence[Conversation], hits: Sequence[Sequence[Sequenc
     detections: list[Detection] = []
     per_conv: dict[str, dict[str, float]] = {}
     totals = _Tally()
+    tokens: dict[str, int] = {}  # a tool's schema tokens, by name
     for conv, conv_hits in zip(conversations, hits):
         tally = _Tally()
         truths = _truths(conv)
         ahead: set[str] = set()  # injected on the user turn the next reply answers
+        held: dict[str, int] = {}  # the tools in the model's context, and their tokens
         for (i, msg), msg_hits in zip(_replayed(conv), conv_hits):
+            for inject, _ in msg_hits:
+                for t in inject.tools:
+                    name = t.definition["name"]
+                    held[name] = tokens[name] if name in tokens else tokens.setdefault(name, _schema_tokens(t.definition))
+                for name in inject.drop:
+                    held.pop(name, None)
+            if msg.role == "assistant":
+                tally.context_tokens.append(sum(held.values()))
+                tally.calls += len(set(truths[i]))
+                tally.held += len(set(truths[i]) & held.keys())
             found = [_detection(conv, i, inject, at, truths[i]) for inject, at in msg_hits]
             tally.add(truths[i], found, ahead if msg.role == "assistant" else None)
             ahead = {t for d in found for t in d.tools} if msg.role == "user" else set()
@@ -249,6 +268,8 @@ class _Tally:
         self.calling = self.exact = 0  # replies that called tools; those injected exactly
         self.lead_chars: list[float] = []
         self.lead_tokens: list[float] = []
+        self.context_tokens: list[float] = []
+        self.calls = self.held = 0  # the tools replies called; those the model's context held by then
 
     def add(self, truth: list[str], found: list[Detection], ahead: set[str] | None) -> None:
         """Precision counts every injected tool; recall counts each assistant message's tool
@@ -274,6 +295,9 @@ class _Tally:
             setattr(self, k, getattr(self, k) + getattr(o, k))
         self.lead_chars += o.lead_chars
         self.lead_tokens += o.lead_tokens
+        self.context_tokens += o.context_tokens
+        self.calls += o.calls
+        self.held += o.held
 
     def figures(self) -> dict[str, float]:
         return {
@@ -293,6 +317,9 @@ class _Tally:
             lead_time_chars=percentiles(self.lead_chars, (50, 90)),
             lead_time_tokens=percentiles(self.lead_tokens, (50, 90)),
             per_conversation=per_conv,
+            held_when_called=_ratio(self.held, self.calls),
+            context_tokens={**percentiles(self.context_tokens, (50, 90)),
+                            "mean": sum(self.context_tokens) / len(self.context_tokens) if self.context_tokens else float("nan")},
         )  # fmt: skip
 
 
@@ -309,11 +336,23 @@ def describe(s: Summary) -> str:
         f"false fires {s.false_fires}",
         f"lead time: chars p50 {_shown(s.lead_time_chars.get('p50'), '.0f')} p90 {_shown(s.lead_time_chars.get('p90'), '.0f')}; "
         f"tokens p50 {_shown(s.lead_time_tokens.get('p50'), '.0f')} p90 {_shown(s.lead_time_tokens.get('p90'), '.0f')}",
+        f"tool schemas in context per reply: tokens p50 {_shown(s.context_tokens.get('p50'), '.0f')} "
+        f"p90 {_shown(s.context_tokens.get('p90'), '.0f')} mean {_shown(s.context_tokens.get('mean'), '.0f')}; "
+        f"called tools it held {_shown(s.held_when_called, '.3f')}",
     ]  # fmt: skip
     for cid, f in s.per_conversation.items():
         lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {_shown(f['precision'], '.2f')}, "
                      f"recall {_shown(f['recall'], '.2f')}, exact set {_shown(f['exact_set'], '.2f')}, false fires {f['false_fires']:.0f}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _schema_tokens(definition: dict) -> int:
+    """One tool's schema as it travels (compact JSON), in tokens."""
+    import orjson
+
+    from .mcp.savings import count_tokens
+
+    return count_tokens(orjson.dumps(definition).decode())
 
 
 def _shown(value: float | None, spec: str) -> str:

@@ -89,6 +89,32 @@ def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
     assert math.isnan(summary.per_conversation["chat"]["precision"])
 
 
+def test_replay_counts_the_schemas_a_reply_holds_and_a_budget_bounds_them(pipe, tmp_path):
+    """Three user turns, each asking for another tool, each reply calling it: with no budget the
+    third reply holds all three schemas; with server.context_tools = 1 only its own, and the
+    calls were all held when made either way (each is injected on the turn before it)."""
+    from sidecar.config import Config
+    from sidecar.mcp.savings import count_tokens
+
+    asks = [("Create a note titled standup with today's action items", "create_note"), ("Delete the note about onboarding", "delete_note"),
+            ("let me search my notes for the kubernetes setup", "semantic_search")]  # fmt: skip
+    rows = []
+    for text, tool in asks:
+        rows += [{"conversation": "c", "role": "user", "content": text}, {"conversation": "c", "role": "assistant", "content": "", "tool_calls": [{"name": tool}]}]
+    path = tmp_path / "t.jsonl"
+    path.write_text(_lines(*rows))
+    convs = replay.read_transcripts([path], pipe.catalog)
+    size = {t: count_tokens(json.dumps(pipe.catalog.get(t).definition(), separators=(",", ":"), ensure_ascii=False)) for _, t in asks}
+    _, free = replay.replay(engine_of(pipe, history=False), convs)
+    _, bound = replay.replay(engine_of(pipe, Config(server=ServerConfig(context_tools=1, max_inject_tools=1)), history=False), convs)
+    assert free.held_when_called == bound.held_when_called == 1.0
+    assert free.context_tokens["p90"] >= free.context_tokens["p50"] > 0
+    last = size["create_note"] + size["delete_note"] + size["semantic_search"]
+    assert max(free.context_tokens["p90"], free.context_tokens["mean"]) <= last
+    assert bound.context_tokens["mean"] == pytest.approx(sum(size.values()) / 3)  # each reply holds its own tool alone
+    assert bound.context_tokens["mean"] < free.context_tokens["mean"]
+
+
 def test_cli_replay_json_and_events(tmp_path):
     """A newcomer's first replay on the whole catalog: a fresh store (its own XDG data home),
     so all 605 tools are embedded, which shows progress on stderr while stdout stays one

@@ -195,6 +195,30 @@ def test_no_tool_is_injected_twice_in_one_stream(small):
     run(body())
 
 
+def test_a_session_keeps_its_budget_of_tools_and_says_which_to_drop(small):
+    """server.context_tools = 2: the third tool a session is injected drops one of the first
+    two, the one never called (no tool_result) before the one that was."""
+    search, create, delete = ("let me search my notes for the kubernetes setup", "Create a note titled standup with today's action items",
+                              "Delete the note about onboarding")  # fmt: skip
+
+    async def body():
+        async with serving(small, context_tools=2, max_inject_tools=1) as srv, await SidecarClient.connect(srv.url, session="budget") as sc:
+            got = []
+            for i, text in enumerate([search, create, delete, search]):
+                if i == 1:
+                    await sc.tool_result("semantic_search", True, 12.0)  # called: kept longer
+                await sc.user(f"u{i}", text)
+                await sc.end(f"u{i}")
+                msgs = await until(sc, lambda m: isinstance(m, p.Ended))
+                [inject] = [m for m in msgs if isinstance(m, p.Inject)]
+                got.append(([t.definition["name"] for t in inject.tools], inject.drop))
+            return got
+
+    assert run(body()) == [(["semantic_search"], []), (["create_note"], []), (["delete_note"], ["create_note"]), (["semantic_search"], [])]
+    assert b'"drop"' not in p.encode(p.Inject(stream="s", tier="auto", probability=None, tools=[], trigger=p.TriggerInfo("t", 0, 1, "fallback"),
+                                               sent_at=1, latency_ms=1.0))  # fmt: skip
+
+
 def test_user_turn_is_judged_whole(small):
     async def body():
         async with serving(small) as srv, await SidecarClient.connect(srv.url, session="user", decisions=True) as sc:

@@ -544,6 +544,8 @@ class SidecarServer:
                 await self._hello(conn, msg)
             else:  # ToolResult | Feedback
                 s.require_hello(kind)
+                if isinstance(msg, p.ToolResult):
+                    s.called(msg.tool)
                 self.records.take(conn, msg)
         except p.ProtocolError as e:
             conn.send(p.Error(e.code, e.message, e.ref if e.ref is not None else getattr(msg, "ref", None)))

@@ -119,6 +119,9 @@ class Session:
         # per injected tool, the ranking it was offered in and the span that caused it: what a
         # later `feedback` on that tool is recorded against (so `sidecar learn` has candidates)
         self.offered: OrderedDict[str, tuple[list[str], str]] = OrderedDict()
+        # The tools in the model's context (`limits.context_tools`), oldest first: injected, and
+        # whether a tool_result said one was called since
+        self.in_context: OrderedDict[str, bool] = OrderedDict()
         self.turns: Turns | None = None  # user turns paired with the calls after them (the server's catalog only: learning from traffic)
         self.resolved: list[Turn] = []  # turns `turns` resolved, for the server to record
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
@@ -140,6 +143,31 @@ class Session:
             self.offered.move_to_end(tool)
         while len(self.offered) > OFFERS_KEPT:
             self.offered.popitem(last=False)
+
+    def admit(self, tools: Sequence[str]) -> tuple[list[str], list[str]]:
+        """`tools` (best first) into the model's context: those the budget takes (all of them
+        without one, at most `context_tools`), and the tools to drop for them: the oldest
+        never called first, then the oldest called."""
+        budget = self.limits.context_tools
+        if not budget:
+            return list(tools), []
+        taken = list(tools)[:budget]
+        for name in taken:
+            self.in_context[name] = self.in_context.pop(name, False)
+        over = len(self.in_context) - budget
+        if over <= 0:
+            return taken, []
+        old = [n for n in self.in_context if n not in taken]
+        drop = ([n for n in old if not self.in_context[n]] + [n for n in old if self.in_context[n]])[:over]
+        for name in drop:
+            del self.in_context[name]
+        return taken, drop
+
+    def called(self, tool: str) -> None:
+        """A tool_result: the tool was used, so it is the last to leave the context."""
+        if tool in self.in_context:
+            del self.in_context[tool]
+            self.in_context[tool] = True
 
     def require_hello(self, kind: str) -> None:
         if self.hello is None:
@@ -260,6 +288,8 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
             tools.append(InjectedTool(tool.definition(), relevance=r.relevance, why=r.why))
     if not tools:
         return None
+    taken, drop = ev.owner.admit([t.definition["name"] for t in tools])
+    tools = tools[: len(taken)]
     ev.stream.injected.update(t.definition["name"] for t in tools)
     ev.owner.remember_offer([t.definition["name"] for t in tools], [r.tool for r in v.judgement.ranked.results], ev.text)
     trig = d.trigger
@@ -268,7 +298,7 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     latency = (time.perf_counter() - ev.received) * 1000
     sent_at = ev.turn_chars if ev.turn_chars is not None else ev.stream.received_chars
     return Inject(stream=ev.stream.id, tier=d.tier, probability=d.probability, tools=tools, trigger=trigger, sent_at=sent_at,
-                  latency_ms=round(latency, 2), workflow=workflow_of(v.judgement, tools))  # fmt: skip
+                  latency_ms=round(latency, 2), workflow=workflow_of(v.judgement, tools), drop=drop)  # fmt: skip
 
 
 def workflow_of(j: Judgement, tools: Sequence[InjectedTool]) -> list[WorkflowStep]:

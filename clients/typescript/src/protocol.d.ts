@@ -88,6 +88,7 @@ export interface Inject {
   sent_at: number;
   latency_ms: number;
   workflow?: WorkflowStep[];
+  drop?: string[];
 }
 
 /** Sent only to sessions that said `hello.decisions`: the gate's verdict on one judged span, fired or silent, so a client can see (and time) what did not inject. */
