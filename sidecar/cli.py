@@ -512,7 +512,7 @@ def _case_sources(args: argparse.Namespace):
 
 
 def cmd_cases_write(args: argparse.Namespace) -> int:
-    from .core.casebook import CaseBook, keep, stored
+    from .core.casebook import keep, stored
     from .core.index import MIN_OWN_CASES
     from .learn import writer
 

@@ -22,6 +22,7 @@ import regex
 from .client import SidecarClient, SidecarError
 from .config import ServerConfig
 from .core.ranking import percentiles
+from .mcp.savings import schema_tokens
 from .protocol import DecisionReport, Ended, Error, Hello, Inject
 from .serve.session import Scope, Session, context_of, inject_for, judge
 from .transcripts import (  # noqa: F401  (replay's API)
@@ -144,7 +145,9 @@ def score(conversations: Sequence[Conversation], hits: Sequence[Sequence[Sequenc
             for inject, _ in msg_hits:
                 for t in inject.tools:
                     name = t.definition["name"]
-                    held[name] = tokens[name] if name in tokens else tokens.setdefault(name, _schema_tokens(t.definition))
+                    if name not in tokens:
+                        tokens[name] = schema_tokens(t.definition)
+                    held[name] = tokens[name]
                 for name in inject.drop:
                     held.pop(name, None)
             if msg.role == "assistant":
@@ -344,15 +347,6 @@ def describe(s: Summary) -> str:
         lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {_shown(f['precision'], '.2f')}, "
                      f"recall {_shown(f['recall'], '.2f')}, exact set {_shown(f['exact_set'], '.2f')}, false fires {f['false_fires']:.0f}")  # fmt: skip
     return "\n".join(lines)
-
-
-def _schema_tokens(definition: dict) -> int:
-    """One tool's schema as it travels (compact JSON), in tokens."""
-    import orjson
-
-    from .mcp.savings import count_tokens
-
-    return count_tokens(orjson.dumps(definition).decode())
 
 
 def _shown(value: float | None, spec: str) -> str:

@@ -64,6 +64,11 @@ def count_tokens(text: str) -> int:
     return len(_encoding().encode(text, disallowed_special=()))
 
 
+def schema_tokens(schema: Any) -> int:
+    """A tool's schema, or a list of them, as it travels (compact JSON), in tokens; nothing costs 0."""
+    return count_tokens(orjson.dumps(schema).decode()) if schema else 0
+
+
 def tool_list_json(definitions: Sequence[Mapping[str, Any]]) -> str:
     """A tools/list result as it travels: compact JSON."""
     return orjson.dumps({"tools": list(definitions)}).decode()

@@ -38,6 +38,7 @@ from ..engine import Sidecar
 from ..serve.completion import health, start_completion
 from ..serve.learner import Learner
 from ..mcp.config import McpConfig
+from ..mcp.savings import schema_tokens
 from ..store import Store
 from ..serve.telemetry import CONTENT_TYPE, ProxyMetrics, limit_blas_threads
 from ..learn.traffic import Turn
@@ -80,12 +81,6 @@ class Refused(Exception):
         self.status, self.content, self.content_type = status, body, content_type
 
 
-def _schema_tokens(tools: list[dict[str, Any]]) -> int:
-    from ..mcp.savings import count_tokens
-
-    return count_tokens(orjson.dumps(tools).decode()) if tools else 0
-
-
 class Proxy:
     """The ASGI app over one loaded engine."""
 
@@ -116,7 +111,7 @@ class Proxy:
             if counted is not None and counted[1] == digest:  # the same schemas (written cases added): no count, no wait
                 tokens = counted[2]
             else:
-                tokens = await asyncio.to_thread(_schema_tokens, every)
+                tokens = await asyncio.to_thread(schema_tokens, every)
             counted = self._counted[dialect.name] = (catalog, digest, tokens)
             if dialect is shapes.CHAT:
                 self.metrics.catalog_tokens.set(tokens)
@@ -246,7 +241,7 @@ class Proxy:
 
     async def _count(self, offer: Offer, dialect: shapes.Dialect) -> None:
         self.metrics.tools_added.observe(len(offer.names))  # catalog tools: find_tools is counted in the tokens only
-        sent = _schema_tokens(offer.tools)
+        sent = schema_tokens(offer.tools)
         self.metrics.schema_tokens_sent.inc(sent)
         # counted in a thread the first time, and after the catalog's schemas changed
         self.metrics.schema_tokens_saved.inc(max(0, await self.catalog_tokens(dialect) - sent))

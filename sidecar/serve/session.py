@@ -166,8 +166,8 @@ class Session:
     def called(self, tool: str) -> None:
         """A tool_result: the tool was used, so it is the last to leave the context."""
         if tool in self.in_context:
-            del self.in_context[tool]
             self.in_context[tool] = True
+            self.in_context.move_to_end(tool)
 
     def require_hello(self, kind: str) -> None:
         if self.hello is None:
