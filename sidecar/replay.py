@@ -85,6 +85,10 @@ class Summary(msgspec.Struct):
     # Of the tools replies called, those the model's context held when it called them: injected
     # anywhere earlier in the conversation (or during the reply) and not dropped since
     held_when_called: float = float("nan")
+    # Of the distinct tools a conversation was injected, those the model called on or after
+    # the message of their first inject: the conversation as one stream, where a tool injected
+    # early for a later step counts (precision above counts it only for its own message)
+    used_after_inject: float = float("nan")
 
 
 def _truths(conv: Conversation) -> list[list[str]]:
@@ -141,10 +145,12 @@ def score(conversations: Sequence[Conversation], hits: Sequence[Sequence[Sequenc
         truths = _truths(conv)
         ahead: set[str] = set()  # injected on the user turn the next reply answers
         held: dict[str, int] = {}  # the tools in the model's context, and their tokens
+        first: dict[str, int] = {}  # the message each injected tool was first injected on
         for (i, msg), msg_hits in zip(_replayed(conv), conv_hits):
             for inject, _ in msg_hits:
                 for t in inject.tools:
                     name = t.definition["name"]
+                    first.setdefault(name, i)
                     if name not in tokens:
                         tokens[name] = schema_tokens(t.definition)
                     held[name] = tokens[name]
@@ -158,6 +164,9 @@ def score(conversations: Sequence[Conversation], hits: Sequence[Sequence[Sequenc
             tally.add(truths[i], found, ahead if msg.role == "assistant" else None)
             ahead = {t for d in found for t in d.tools} if msg.role == "user" else set()
             detections.extend(found)
+        last = {name: i for i, called in enumerate(truths) for name in called if conv.messages[i].role == "assistant"}
+        tally.offered += len(first)
+        tally.used += sum(last.get(name, -1) >= i for name, i in first.items())
         totals.merge(tally)
         per_conv[conv.id] = tally.figures()
     return detections, totals.summary(len(conversations), per_conv)
@@ -273,6 +282,7 @@ class _Tally:
         self.lead_tokens: list[float] = []
         self.context_tokens: list[float] = []
         self.calls = self.held = 0  # the tools replies called; those the model's context held by then
+        self.offered = self.used = 0  # distinct tools injected per conversation; those called on or after
 
     def add(self, truth: list[str], found: list[Detection], ahead: set[str] | None) -> None:
         """Precision counts every injected tool; recall counts each assistant message's tool
@@ -301,6 +311,8 @@ class _Tally:
         self.context_tokens += o.context_tokens
         self.calls += o.calls
         self.held += o.held
+        self.offered += o.offered
+        self.used += o.used
 
     def figures(self) -> dict[str, float]:
         return {
@@ -320,7 +332,7 @@ class _Tally:
             lead_time_chars=percentiles(self.lead_chars, (50, 90)),
             lead_time_tokens=percentiles(self.lead_tokens, (50, 90)),
             per_conversation=per_conv,
-            held_when_called=_ratio(self.held, self.calls),
+            held_when_called=_ratio(self.held, self.calls), used_after_inject=_ratio(self.used, self.offered),
             context_tokens={**percentiles(self.context_tokens, (50, 90)),
                             "mean": sum(self.context_tokens) / len(self.context_tokens) if self.context_tokens else float("nan")},
         )  # fmt: skip
@@ -342,6 +354,7 @@ def describe(s: Summary) -> str:
         f"tool schemas in context per reply: tokens p50 {_shown(s.context_tokens.get('p50'), '.0f')} "
         f"p90 {_shown(s.context_tokens.get('p90'), '.0f')} mean {_shown(s.context_tokens.get('mean'), '.0f')}; "
         f"called tools it held {_shown(s.held_when_called, '.3f')}",
+        f"the conversation as one stream: injected tools called on or after their inject {_shown(s.used_after_inject, '.3f')}",
     ]  # fmt: skip
     for cid, f in s.per_conversation.items():
         lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {_shown(f['precision'], '.2f')}, "

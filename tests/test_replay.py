@@ -115,6 +115,23 @@ def test_replay_counts_the_schemas_a_reply_holds_and_a_budget_bounds_them(pipe, 
     assert bound.context_tokens["mean"] < free.context_tokens["mean"]
 
 
+def test_replay_credits_a_tool_injected_ahead_of_a_later_step(pipe, tmp_path):
+    """A turn with two asks gets both tools at once; the model calls one in its reply and the
+    other a message later. Message by message the second is a wrong inject (the reply did not
+    call it); the conversation as one stream counts it as used, and a tool never called as not."""
+    rows = [{"conversation": "c", "role": "user", "content": "Create a note titled standup with today's action items, then delete the note about onboarding"},
+            {"conversation": "c", "role": "assistant", "content": "", "tool_calls": [{"name": "create_note"}]},
+            {"conversation": "c", "role": "assistant", "content": "", "tool_calls": [{"name": "delete_note"}]}]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text(_lines(*rows))
+    detections, summary = replay.replay(engine_of(pipe, history=False), replay.read_transcripts([path], pipe.catalog))
+    offered = {t for d in detections for t in d.tools}
+    assert {"create_note", "delete_note"} <= offered
+    assert not any(c for d in detections for t, c in zip(d.tools, d.correct) if t == "delete_note")  # wrong for its own message
+    assert summary.used_after_inject == pytest.approx(2 / len(offered))
+    assert summary.precision < summary.used_after_inject
+
+
 def test_cli_replay_json_and_events(tmp_path):
     """A newcomer's first replay on the whole catalog: a fresh store (its own XDG data home),
     so all 605 tools are embedded, which shows progress on stderr while stdout stays one
