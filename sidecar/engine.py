@@ -160,7 +160,7 @@ class Sidecar:
         already; a turn of one ask is untouched). `rank_silent`: rank the silent ones too (what
         `eval` scores a ranking on); they still inject nothing."""
         asks = self._asks(requests)
-        detected = self.detect_batch([*requests, *(Request(a, "user") for _, a in asks)])
+        detected = self.detect_batch([*requests, *(Request(a, "user", requests[i].prior) for i, a in asks)])
         top = top or self.cfg.server.max_inject_tools
         out = []
         for i, (r, d, vector, views) in enumerate(zip(requests, detected.decisions, detected.vectors, detected.views)):

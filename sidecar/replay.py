@@ -117,7 +117,12 @@ def replay(engine: Sidecar, conversations: Sequence[Conversation], on_message: C
         session = Session(limits)
         hello = Hello(session=f"replay:{conv.id}")
         session.start(hello, Scope(engine.catalog, context_of(hello), engine))
-        hits.append([_progress(_stream(session, limits, conv, i, msg), on_message) for i, msg in _replayed(conv)])
+        conv_hits = []
+        for i, msg in _replayed(conv):
+            conv_hits.append(_progress(_stream(session, limits, conv, i, msg), on_message))
+            for call in msg.tool_calls or ():  # as a live client's tool_result would tell it
+                session.called(call.name)
+        hits.append(conv_hits)
     return score(conversations, hits)
 
 
@@ -125,7 +130,9 @@ async def replay_url(url: str, conversations: Sequence[Conversation], *, token: 
                      on_message: Callable[[], None] | None = None) -> tuple[list[Detection], Summary]:  # fmt: skip
     """The same replay through a running sidecar: one connection per conversation, user turns
     as `user` + `end`, replies delta by delta + `end`, each message scored once its stream's
-    `ended` came (so every span of it was judged and delivered)."""
+    `ended` came (so every span of it was judged and delivered). It sends no `tool_result`
+    (that would write call history into the server's store), so the server does not hear of
+    the transcript's calls: `[gate] after_call` applies in-process only."""
     hits: list[list[list[Hit]]] = []
     for conv in conversations:
         async with await SidecarClient.connect(url, session=f"replay:{conv.id}", token=token, decisions=True) as sc:

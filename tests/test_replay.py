@@ -222,9 +222,11 @@ def test_replay_through_a_server_injects_what_in_process_replay_does(tmp_path):
     lets a growing clause's newer span supersede its pending shorter one (and drops stale
     ones), by design. So the limits here judge clauses whole (`span_words` beyond any
     clause: every span has its own key) and are never shed or go stale; the test checks the server
-    dropped nothing, so the equality is exact rather than lucky."""
+    dropped nothing, so the equality is exact rather than lucky. And `[gate] after_call` is off:
+    the url replay sends no tool_result (it would write call history), so its server hears of
+    no call, where in-process replay tells its session of each."""
     limits = ServerConfig(port=0, span_words=10_000, stale_ms=600_000, shed_ms=600_000)
-    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")]})
+    cfg = config_mod.load(env={}, overrides={("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "ALL.json")], ("gate", "after_call"): 0.0})
     pipe = pipeline.from_config(cfg, store=open_store(tmp_path / "s.db"), progress=False)
     convs = replay.read_transcripts(TRANSCRIPTS, pipe.catalog)
     cfg = msgspec.structs.replace(cfg, server=limits)

@@ -219,6 +219,34 @@ def test_a_session_keeps_its_budget_of_tools_and_says_which_to_drop(small):
                                                sent_at=1, latency_ms=1.0))  # fmt: skip
 
 
+def test_a_session_that_called_a_tool_reads_its_next_turns_as_more_likely_requests(small):
+    """[gate] after_call: once a tool_result came, a user turn's probability is the same text's
+    with after_call added to its logit; a session that reported no call judges it as before."""
+    from sidecar.core.pipeline import shifted
+
+    text = "the kubernetes setup from last week"
+
+    async def judged(srv, session: str, called: bool) -> p.DecisionReport:
+        async with await SidecarClient.connect(srv.url, session=session, decisions=True) as sc:
+            if called:
+                await sc.tool_result("semantic_search", True, 12.0)
+            await sc.user("u", text)
+            [*_, d] = await decisions(sc, 1)
+            return d
+
+    async def body():
+        async with serving(small) as srv:
+            return await judged(srv, "fresh", False), await judged(srv, "using", True)
+
+    alone, after = run(body())
+    after_call = Config().gate.after_call
+    assert after_call > 0 and alone.probability is not None
+    assert after.probability == pytest.approx(shifted(alone.probability, after_call), abs=1e-3)
+    assert after.probability > alone.probability
+    with pytest.raises(config_mod.ConfigError, match="after_call"):
+        config_mod.load(env={}, overrides={("gate", "after_call"): -1.0})
+
+
 def test_user_turn_is_judged_whole(small):
     async def body():
         async with serving(small) as srv, await SidecarClient.connect(srv.url, session="user", decisions=True) as sc:

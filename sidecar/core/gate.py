@@ -29,6 +29,9 @@ class Request(msgspec.Struct, frozen=True):
 
     text: str
     source: str = "user"
+    # Log-odds added to the gate's probability: what the conversation says beyond the text (a
+    # session whose model has called a tool, `[gate] after_call`); 0 for a text alone
+    prior: float = 0.0
 
 
 def path_kind(path: str) -> PathKind:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import pathlib
 import threading
 import time
@@ -356,6 +357,9 @@ class Pipeline:
                 p = learned.gate.probability(np.array([confidence[k] for k in users]), *learned.near(vectors[users]))
                 for k, c in zip(users, p):
                     confidence[k] = float(c)
+        for k, r in enumerate(requests):
+            if r.prior and confidence[k] is not None:
+                confidence[k] = shifted(confidence[k], r.prior)
         return views, candidates, confidence
 
     def gate_views(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views]) -> Sequence[Views]:
@@ -461,6 +465,12 @@ class Views(msgspec.Struct):
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
     symbolic: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
     servers: np.ndarray | None = None  # (tools,) each tool's server (learned.server_ids)
+
+
+def shifted(p: float, log_odds: float) -> float:
+    """`p` with `log_odds` added to its logit (a prior the text alone does not carry)."""
+    p = min(max(p, 1e-9), 1 - 1e-9)
+    return 1.0 / (1.0 + math.exp(-(math.log(p / (1 - p)) + log_odds)))
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:

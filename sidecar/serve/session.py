@@ -122,6 +122,7 @@ class Session:
         # The tools in the model's context (`limits.context_tools`), oldest first: injected, and
         # whether a tool_result said one was called since
         self.in_context: OrderedDict[str, bool] = OrderedDict()
+        self.tool_called = False  # a tool_result came: its user turns are judged with `[gate] after_call`
         self.turns: Turns | None = None  # user turns paired with the calls after them (the server's catalog only: learning from traffic)
         self.resolved: list[Turn] = []  # turns `turns` resolved, for the server to record
         self._streams: OrderedDict[str, StreamState] = OrderedDict()  # LRU, bounded
@@ -164,7 +165,9 @@ class Session:
         return taken, drop
 
     def called(self, tool: str) -> None:
-        """A tool_result: the tool was used, so it is the last to leave the context."""
+        """A tool_result: the tool was used, so it is the last to leave the context, and the
+        session's user turns are now those of someone using tools."""
+        self.tool_called = True
         if tool in self.in_context:
             self.in_context[tool] = True
             self.in_context.move_to_end(tool)
@@ -266,7 +269,10 @@ def judge(evaluations: Sequence[Evaluation]) -> tuple[list[Verdict], list[int]]:
         groups.setdefault(id(ev.scope.engine), []).append(ev)
     out: list[Verdict] = []
     for evs in groups.values():
-        judged = evs[0].scope.engine.judge([Request(ev.text, ev.source) for ev in evs], [ev.scope.asked for ev in evs])
+        engine = evs[0].scope.engine
+        after_call = engine.cfg.gate.after_call
+        judged = engine.judge([Request(ev.text, ev.source, after_call if ev.source == "user" and ev.owner.tool_called else 0.0) for ev in evs],
+                              [ev.scope.asked for ev in evs])  # fmt: skip
         out.extend(Verdict(ev, j) for ev, j in zip(evs, judged))
     return out, [len(evs) for evs in groups.values()]
 
