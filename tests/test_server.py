@@ -247,6 +247,33 @@ def test_a_session_that_called_a_tool_reads_its_next_turns_as_more_likely_reques
         config_mod.load(env={}, overrides={("gate", "after_call"): -1.0})
 
 
+def test_the_proxy_reads_a_call_before_the_last_user_turn_as_a_session_using_tools(small):
+    """[gate] after_call in the proxy: a request holding a tool call before its last user turn
+    comes from a session using tools; one whose only call answers that turn (a tool round), or
+    that holds none, does not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sidecar.proxy.offer import Judge
+
+    engine = engine_of(small, Config())
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "semantic_search", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "found it"}
+    ask = {"role": "user", "content": "the kubernetes setup from last week"}
+    bodies = {"none": [ask], "before": [{"role": "user", "content": "search my notes for the kubernetes setup"}, call, result, ask],
+              "round": [ask, call, result]}  # fmt: skip
+
+    async def body():
+        out = {}
+        with ThreadPoolExecutor(1) as executor:
+            for name, messages in bodies.items():
+                judge = Judge(engine.cfg, engine, None, executor)
+                await judge.offer({"model": "m", "messages": messages})
+                out[name] = judge.session.tool_called
+        return out
+
+    assert run(body()) == {"none": False, "before": True, "round": False}
+
+
 def test_user_turn_is_judged_whole(small):
     async def body():
         async with serving(small) as srv, await SidecarClient.connect(srv.url, session="user", decisions=True) as sc:
