@@ -134,6 +134,56 @@ def test_a_bulk_job_runs_on_the_bulk_threads_and_gives_the_same_vectors(embedder
         assert float(few[t] @ bulk[t]) > 0.9999
 
 
+def test_a_job_beside_an_idle_model_takes_every_core_and_one_beside_a_busy_model_its_own(tmp_path):
+    """A cold catalog is indexed on the second context while serving goes on: in pieces, each
+    on every core while the first context is idle (no traffic: twice as fast) and on the
+    second context's own thread while the first is judging, as is a single text (a long turn
+    its client waits for, beside other clients' judging); the vectors do not depend on it."""
+    import threading
+
+    import llama_cpp
+
+    from sidecar.core.embed import BESIDE_PIECE
+
+    r = models.resolve(models.SMALL_MODEL, progress=False)
+    two = Embedder(r.path, name=r.name, identity="beside-test", threads=1, bulk=2, max_tokens=r.spec.n_ctx)
+    texts = [f"archive the thread about invoice {i} and tell the sender" for i in range(2 * BESIDE_PIECE + 1)]
+    first = two.embed(texts, "document")
+    second = two._second()[0]
+    seen: list[int] = []
+    real = second.embed
+
+    def watch(*args, **kwargs):
+        seen.append(llama_cpp.llama_n_threads_batch(second._ctx.ctx))
+        return real(*args, **kwargs)
+
+    second.embed = watch
+    two._first_used = 0.0  # the first context idle since long ago
+    with two.beside():
+        idle = two.embed(texts, "document")
+    assert seen == [2, 2, 2]  # three pieces, each on both cores
+    assert llama_cpp.llama_n_threads_batch(second._ctx.ctx) == 1
+    seen.clear()
+    with two.beside():
+        one = two.embed(texts[:1], "query")  # one long turn a client waits for: its own thread
+    assert seen == [1] and float(one.vectors[0] @ two.embed(texts[:1], "query").vectors[0]) > 0.9999
+    seen.clear()
+    got = {}
+
+    def index_thread():
+        with two.beside():
+            got["busy"] = two.embed(texts, "document")
+
+    with two._lock:  # the model thread is judging
+        t = threading.Thread(target=index_thread)
+        t.start()
+        t.join(60)
+    assert seen == [1, 1, 1]
+    for beside in (idle, got["busy"]):
+        assert np.all(np.sum(first.vectors * beside.vectors, axis=1) > 0.9999)
+        assert beside.truncated == [False] * len(texts)
+
+
 def test_beside_embeds_on_a_second_context_with_the_same_vectors(embedder):
     """`beside` (a hello's tools, issue 33): this thread's texts go to a second context, so
     they are embedded while the first is held (by the model thread judging), and come out as

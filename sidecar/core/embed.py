@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Literal
 
 import msgspec
@@ -40,6 +41,9 @@ def default_threads() -> int:
 
 
 BULK_TEXTS = 256  # a job of this many texts is throughput work (an index build, a tune)
+IDLE_S = 2.0  # the first context unused this long (no traffic): a job beside it may take every core
+BESIDE_PIECE = 4  # texts a job beside embeds before it looks again (a judgement that starts
+# meanwhile shares the cores with at most one piece: ~0.1 s of nomic on both)
 
 
 def bulk_threads() -> int:
@@ -92,7 +96,9 @@ class Embedder:
         self.dim = int(self._llm.n_embd())
         self.threads = threads
         self.bulk = bulk or bulk_threads()  # threads for calls of BULK_TEXTS texts or more
+        self.beside_threads = max(1, threads // 2)  # the second context's, while the first is in use
         self._lock = threading.Lock()
+        self._first_used = 0.0  # time.monotonic() when a call on the first context last ended
         self._flash_attn = flash_attn
         self._beside: tuple[object, threading.Lock] | None = None  # the second context (`beside`), once loaded
         self._beside_loading = threading.Lock()
@@ -154,7 +160,7 @@ class Embedder:
     def _second(self) -> tuple[object, threading.Lock]:
         with self._beside_loading:
             if self._beside is None:
-                self._beside = (self._load(self.path, self.max_tokens, max(1, self.threads // 2), self._flash_attn), threading.Lock())
+                self._beside = (self._load(self.path, self.max_tokens, self.beside_threads, self._flash_attn), threading.Lock())
             return self._beside
 
     def _context(self) -> tuple[object, threading.Lock]:
@@ -179,22 +185,46 @@ class Embedder:
         return head, True
 
     def embed(self, texts: list[str], kind: Kind = "query", bulk: bool = False) -> Embedded:
-        """Unit vectors of `texts`. `bulk`: part of a large job, run on `self.bulk` threads."""
+        """Unit vectors of `texts`. `bulk`: part of a large job, run on `self.bulk` threads.
+        On the second context (`beside`) a job of several pieces (a catalog's tools, not one
+        long turn a client waits for) goes piece by piece, each on every core while the first
+        context is idle (a cold catalog beside no traffic indexes twice as fast) and on the
+        second context's own threads when it is not."""
         if not texts:
             return Embedded(np.zeros((0, self.dim), np.float32), [])
         llm, lock = self._context()
-        threads = self.bulk if bulk and llm is self._llm else self.threads  # the second context keeps its own threads
-        with lock:
-            fitted = [self._fit(self.prefixed(t, kind), llm) for t in texts]
-            try:
-                if threads != self.threads:
-                    llm._ctx.set_n_threads(threads, threads)
-                raw = llm.embed([t for t, _ in fitted], normalize=False, truncate=False)
-            except Exception as e:
-                raise EmbedError(f"{self.name}: embedding failed: {e}") from None
-            finally:
-                if threads != self.threads:
-                    llm._ctx.set_n_threads(self.threads, self.threads)
+        if llm is self._llm:
+            with lock:
+                try:
+                    return self._embed_on(llm, texts, kind, self.bulk if bulk else self.threads)
+                finally:
+                    self._first_used = time.monotonic()
+        own = self.beside_threads
+        if len(texts) <= BESIDE_PIECE:
+            with lock:
+                return self._embed_on(llm, texts, kind, own, own)
+        pieces = []
+        for lo in range(0, len(texts), BESIDE_PIECE):
+            with lock:
+                pieces.append(self._embed_on(llm, texts[lo : lo + BESIDE_PIECE], kind, self.bulk if self._first_idle() else own, own))
+        return Embedded(np.vstack([p.vectors for p in pieces]), [cut for p in pieces for cut in p.truncated])
+
+    def _first_idle(self) -> bool:
+        return not self._lock.locked() and time.monotonic() - self._first_used >= IDLE_S
+
+    def _embed_on(self, llm, texts: list[str], kind: Kind, threads: int, usual: int | None = None) -> Embedded:
+        """Embed on one context (its lock held) with `threads`, back to its `usual` after."""
+        usual = self.threads if usual is None else usual
+        fitted = [self._fit(self.prefixed(t, kind), llm) for t in texts]
+        try:
+            if threads != usual:
+                llm._ctx.set_n_threads(threads, threads)
+            raw = llm.embed([t for t, _ in fitted], normalize=False, truncate=False)
+        except Exception as e:
+            raise EmbedError(f"{self.name}: embedding failed: {e}") from None
+        finally:
+            if threads != usual:
+                llm._ctx.set_n_threads(usual, usual)
         vectors = np.asarray(raw, dtype=np.float32).reshape(len(texts), self.dim)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         vectors /= np.where(norms == 0, 1.0, norms)

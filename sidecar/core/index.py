@@ -82,13 +82,14 @@ CREATE TABLE IF NOT EXISTS index_rows (
 _CHUNK = 500  # hashes per SELECT ... IN (...)
 
 
-PRIMARY_CHARS = 1000  # what a description says first is what it is for; the rest costs time
+PRIMARY_CHARS = 500  # what a description says first is what it is for; the rest costs time
 
 
 def primary_text(tool) -> str:
     """The tool's one-text view: its name as words, then what it does (the description's
-    head: on these 2 cores nomic embeds a 2,048-token description in ~1 s, its first 1,000
-    characters in a quarter of that)."""
+    head: what follows is usage notes, which cost time and not quality: on ALL.json's
+    held-out requests a head of 500 characters ranked and gated as 1,000 did, within 0.1
+    point, with a tenth fewer characters to embed; docs/benchmarks.md "Ready on a cold store")."""
     words = cases_mod.name_words(tool.bare_name)
     description = " ".join((tool.description or "").split())[:PRIMARY_CHARS]
     return f"{words}: {description}" if description else words
