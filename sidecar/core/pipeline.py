@@ -33,7 +33,7 @@ from ..config import Config
 from .embed import Embedded, Embedder
 from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decide, route
 from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread, stored_tools
-from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, neighbourhood, rank_features
+from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, logit, neighbourhood, rank_features
 from .lexical import LexicalIndex
 from .patterns import GatePatterns
 from ..learn.selffit import OwnFit, own_fit
@@ -469,8 +469,7 @@ class Views(msgspec.Struct):
 
 def shifted(p: float, log_odds: float) -> float:
     """`p` with `log_odds` added to its logit (a prior the text alone does not carry)."""
-    p = min(max(p, 1e-9), 1 - 1e-9)
-    return 1.0 / (1.0 + math.exp(-(math.log(p / (1 - p)) + log_odds)))
+    return 1.0 / (1.0 + math.exp(-(float(logit(p)) + log_odds)))
 
 
 def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calibration: calib.Calibration | None = None) -> Embedder:
