@@ -131,8 +131,7 @@ class Judge:
         messages = body["messages"]
         taken = dialect.client_tool_names(body)
         turns = dialect.user_turns(messages)
-        asked = max((i for i, m in enumerate(messages) if m.get("role") == "user" and shapes.text_of(m.get("content")).strip()), default=0)
-        for name in dialect.called_names(messages[:asked]):  # calls before the last turn: someone using tools (`[gate] after_call`)
+        for name in dialect.called_names(messages[: shapes.last_user_index(messages)]):  # calls before the last turn: someone using tools (`[gate] after_call`)
             self.session.called(name)
         found = await self.user_turn(turns[-1], turns[-2] if len(turns) > 1 else "") if turns else []
         inject = next((inj for inj in found if self.allowed(inj)), None)

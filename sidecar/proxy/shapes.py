@@ -109,9 +109,18 @@ def text_of(content: Any) -> str:
     return ""
 
 
+def _user_texts(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    return [(i, t) for i, m in enumerate(messages) if m.get("role") == "user" and (t := text_of(m.get("content")).strip())]
+
+
 def user_turns(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """The text of each user message with any, in order."""
-    return [t for m in messages if m.get("role") == "user" and (t := text_of(m.get("content")).strip())]
+    return [t for _, t in _user_texts(messages)]
+
+
+def last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Where the last user message with text is in `messages` (0 when there is none)."""
+    return max((i for i, _ in _user_texts(messages)), default=0)
 
 
 def called_names(messages: Iterable[Mapping[str, Any]]) -> list[str]:
