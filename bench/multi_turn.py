@@ -10,8 +10,8 @@ OpenAI chat logs (each turn's calls as an assistant message's `tool_calls`) and 
 catalog of the eight APIs (BFCL's types mapped to JSON Schema as in ../shared/data).
 Conversations are shuffled (--seed), then split: the first part is the log learned from
 (`learn`: the traffic lesson and the tools that go together), the rest is replayed before and
-after learning. Beside them, plain cosine's top-k of the same turns (k = the tools called,
-and k = 3). --out DIR keeps the converted files.
+after learning. Beside them, plain cosine's and BM25's top-k of the same turns (k = the tools
+called, and k = 3). --out DIR keeps the converted files.
 
     python bench/multi_turn.py [--model all-minilm-l6-v2] [--json] [--out DIR]
 """
@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from sidecar import config as config_mod  # noqa: E402
+from sidecar.core.lexical import LexicalIndex  # noqa: E402
 from sidecar.engine import Sidecar  # noqa: E402
 from sidecar.serve.learner import apply_learned, traffic_log  # noqa: E402
 from sidecar.replay import replay  # noqa: E402
@@ -86,18 +87,22 @@ def convert(wheel: pathlib.Path) -> tuple[dict, list[dict]]:
     return {"server": "bfcl-multi-turn", "tools": tools}, convs
 
 
-def cosine_top_k(engine: Sidecar, conversations) -> dict[str, dict[str, float]]:
-    """Plain cosine of each user turn to each tool's description, its top k (k = the tools the
-    turn called, and 3), scored as replay scores an inject."""
+def baselines_top_k(engine: Sidecar, conversations) -> dict[str, dict[str, dict[str, float]]]:
+    """The simplest rankers of each user turn, their top k (k = the tools the turn called, and
+    3), scored as replay scores an inject: plain cosine to each tool's description (same model)
+    and BM25 over each tool's text (name, description, parameters)."""
     pipe = engine.pipeline
     tools = list(engine.catalog)
-    docs = pipe.embedder.embed([t.description or t.name for t in tools], "document").vectors
-    docs = docs / np.linalg.norm(docs, axis=1, keepdims=True)
     turns = [(m.content, [c.name for c in nxt.tool_calls or ()]) for conv in conversations
              for m, nxt in zip(conv.messages, conv.messages[1:]) if m.role == "user" and nxt.role == "assistant"]  # fmt: skip
+    docs = pipe.embedder.embed([t.description or t.name for t in tools], "document").vectors
     qs = pipe.embedder.embed([t for t, _ in turns], "query").vectors
-    qs = qs / np.linalg.norm(qs, axis=1, keepdims=True)
-    order = np.argsort(-(qs @ docs.T), axis=1)
+    bm25 = LexicalIndex(engine.catalog)
+    scores = {"cosine": qs @ docs.T, "bm25": np.vstack([bm25.scores(t) for t, _ in turns])}
+    return {kind: _top_k(tools, turns, np.argsort(-s, axis=1, kind="stable")) for kind, s in scores.items()}
+
+
+def _top_k(tools, turns, order) -> dict[str, dict[str, float]]:
     out = {}
     for label, k_of in (("k = called", len), ("k = 3", lambda _: 3)):
         hits = injected = called = 0  # a called tool among the top k is both a right injection and one found
@@ -156,10 +161,11 @@ def main() -> int:
         rules = len(engine.sequences)
         engine.pipeline.learned = None
         sequences_only = figures(replay(engine, played)[1])
-        cosine = cosine_top_k(engine, played)
+        baselines = baselines_top_k(engine, played)
     result = {"model": engine.pipeline.embedder.name, "conversations": {"learned": len(first), "replayed": len(rest)},
               "turns_learned": len(turns), "untuned": before, "learned": after, "learned_sequences_only": sequences_only,
-              "lesson_in_use": lesson is not None, "sequence_rules": rules, "plain_cosine_top_k": cosine}  # fmt: skip
+              "lesson_in_use": lesson is not None, "sequence_rules": rules, "plain_cosine_top_k": baselines["cosine"],
+              "bm25_top_k": baselines["bm25"]}  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -168,8 +174,9 @@ def main() -> int:
         print(f"  {label:30s} recall {f['recall']:.3f}  precision {f['precision']:.3f}  exact set {f['exact_set']:.3f}  "
               f"injected {f['injections']}  false fires {f['false_fires']}")  # fmt: skip
     print(f"  lesson in use: {lesson is not None} ({outcome.reason or 'passed'}); {rules} sequence rules")
-    for label, f in cosine.items():
-        print(f"  plain cosine top-k, {label:10s} recall {f['recall']:.3f}  precision {f['precision']:.3f}")
+    for kind, name in (("cosine", "plain cosine"), ("bm25", "BM25")):
+        for label, f in baselines[kind].items():
+            print(f"  {name} top-k, {label:10s} recall {f['recall']:.3f}  precision {f['precision']:.3f}")
     return 0
 
 
