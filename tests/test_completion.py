@@ -6,6 +6,7 @@ ranks them; a second start on the same store is whole at once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 from sidecar import config as config_mod
@@ -64,3 +65,27 @@ def test_a_large_cold_catalog_is_served_at_once_and_completed_in_the_background(
             await server.shutdown()
 
     asyncio.run(again())
+
+
+def test_a_shutdown_while_the_catalog_is_completed_stops_it_without_an_error(tmp_path, caplog):
+    """Ctrl-C during a cold start's background indexing cancels the step under way: the log
+    says where it stopped, not "ERROR ... Traceback" as if something had gone wrong."""
+
+    async def body():
+        server = _server(tmp_path)
+        release = threading.Event()
+        server._indexer.submit(release.wait)  # the completion waits on the index thread
+        await server.start()
+        try:
+            await asyncio.wait_for(server.loaded.wait(), WAIT_S)
+            assert server.engine.pipeline.pending
+        finally:
+            await server.shutdown()
+            release.set()
+        return server.completion
+
+    with caplog.at_level(logging.INFO, logger="sidecar"):
+        completion = asyncio.run(body())
+        assert completion.done.wait(60)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert any(r.getMessage() == "completion stopped at shutdown: 0 of 40 tools indexed" for r in caplog.records)

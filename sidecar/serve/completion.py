@@ -83,7 +83,11 @@ class Completion:
             if self.chat is not None and not self._stop.is_set():
                 self._write()
         except Exception:
-            log.exception("completion stopped: the catalog is served as indexed so far")
+            if self._stop.is_set():  # a shutdown cancelled the step under way: nothing went wrong
+                log.info("completion stopped at shutdown: %d of %d tools indexed", len(self.engine.pipeline.catalog),
+                         len(self.engine.pipeline.whole))  # fmt: skip
+            else:
+                log.exception("completion stopped: the catalog is served as indexed so far")
         finally:
             self.done.set()
 
