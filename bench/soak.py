@@ -88,6 +88,7 @@ async def serve(store: pathlib.Path, config: pathlib.Path, env: dict[str, str] |
         stderr=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, "SIDECAR_MODEL": models.SMALL_MODEL, **(env or {})},
     )  # fmt: skip
     deadline = time.monotonic() + 600
+    said = ""
     while time.monotonic() < deadline:
         line = (await asyncio.wait_for(proc.stderr.readline(), 600)).decode()
         if found := re.search(r"listening on (ws://\S+)", line):
@@ -95,8 +96,10 @@ async def serve(store: pathlib.Path, config: pathlib.Path, env: dict[str, str] |
             return proc, found.group(1)
         if not line:
             break
-    proc.kill()
-    raise RuntimeError("sidecar serve did not start")
+        said = line.strip() or said
+    if proc.returncode is None:
+        proc.kill()
+    raise RuntimeError(f"sidecar serve did not start: {said}")
 
 
 async def _drain(stream) -> None:
