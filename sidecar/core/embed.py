@@ -196,25 +196,22 @@ class Embedder:
         if llm is self._llm:
             with lock:
                 try:
-                    return self._embed_on(llm, texts, kind, self.bulk if bulk else self.threads)
+                    return self._embed_on(llm, texts, kind, self.bulk if bulk else self.threads, self.threads)
                 finally:
                     self._first_used = time.monotonic()
-        own = self.beside_threads
-        if len(texts) <= BESIDE_PIECE:
-            with lock:
-                return self._embed_on(llm, texts, kind, own, own)
+        own, several = self.beside_threads, len(texts) > BESIDE_PIECE
         pieces = []
         for lo in range(0, len(texts), BESIDE_PIECE):
             with lock:
-                pieces.append(self._embed_on(llm, texts[lo : lo + BESIDE_PIECE], kind, self.bulk if self._first_idle() else own, own))
-        return Embedded(np.vstack([p.vectors for p in pieces]), [cut for p in pieces for cut in p.truncated])
+                threads = self.bulk if several and self._first_idle() else own
+                pieces.append(self._embed_on(llm, texts[lo : lo + BESIDE_PIECE], kind, threads, own))
+        return pieces[0] if len(pieces) == 1 else Embedded(np.vstack([p.vectors for p in pieces]), [cut for p in pieces for cut in p.truncated])
 
     def _first_idle(self) -> bool:
         return not self._lock.locked() and time.monotonic() - self._first_used >= IDLE_S
 
-    def _embed_on(self, llm, texts: list[str], kind: Kind, threads: int, usual: int | None = None) -> Embedded:
+    def _embed_on(self, llm, texts: list[str], kind: Kind, threads: int, usual: int) -> Embedded:
         """Embed on one context (its lock held) with `threads`, back to its `usual` after."""
-        usual = self.threads if usual is None else usual
         fitted = [self._fit(self.prefixed(t, kind), llm) for t in texts]
         try:
             if threads != usual:
