@@ -12,8 +12,9 @@ sends a user turn that calls for a tool every --probe-every seconds on a fresh s
 times, client side, send to `inject`.
 
 Reports (--json: one object): the probe's p50/p99/max injection latency and misses (no
-inject within --probe-timeout; `ended_no_inject`: those the server ended without an inject, judged
-silent or shed under load: /metrics' dropped evaluations say which), the server's RSS over time (sampled from /proc), messages
+inject within --probe-timeout; `ended_no_inject`: those the server ended without an inject, of
+which `judged_silent` the gate judged and did not fire on (their verdicts in `silent`) and the
+rest were shed under load: the probe asks for every verdict, `hello.decisions`), the server's RSS over time (sampled from /proc), messages
 and errors by kind, connections lost and their close codes, connect failures, and the
 dropped evaluations from /metrics. `memory` breaks RSS down every --sample-every seconds:
 anonymous and file-backed parts (/proc/PID/smaps_rollup), threads, and from /metrics what
@@ -249,14 +250,15 @@ async def probe(url: str, stop: float, args) -> dict:
     server_ms: list[float] = []
     misses = 0
     ended_no_inject = 0  # of the misses: ended with no inject (judged silent, or shed), not timed out
-    async with await SidecarClient.connect(url, session="probe", wait_s=60) as sc:
+    silent: list[dict] = []  # the verdicts on the probes judged and not fired on
+    async with await SidecarClient.connect(url, session="probe", wait_s=60, decisions=True) as sc:
         i = 0
         while time.monotonic() < stop:
             i += 1
             t0 = time.perf_counter()
             await sc.user(f"p{i}", PROBE.format(i=i))
             await sc.end(f"p{i}")
-            got = None
+            got, verdicts = None, []
             try:
                 deadline = t0 + args.probe_timeout
                 while True:
@@ -264,8 +266,12 @@ async def probe(url: str, stop: float, args) -> dict:
                     if isinstance(msg, p.Inject) and msg.stream == f"p{i}" and got is None:
                         got = time.perf_counter() - t0
                         server_ms.append(msg.latency_ms)
+                    if isinstance(msg, p.DecisionReport) and msg.stream == f"p{i}":
+                        verdicts.append({"probe": i, "fired": msg.fired, "probability": msg.probability, "tool": msg.tool, "path": msg.path})
                     if isinstance(msg, p.Ended) and msg.stream == f"p{i}":
                         ended_no_inject += got is None
+                        if got is None and verdicts:
+                            silent.extend(verdicts)
                         break
             except TimeoutError:
                 pass
@@ -278,7 +284,8 @@ async def probe(url: str, stop: float, args) -> dict:
     def q(xs, f):
         return round(statistics.quantiles(xs, n=100, method="inclusive")[f - 1], 1) if len(xs) >= 2 else (round(xs[0], 1) if xs else None)
 
-    return {"probes": i, "injects": len(latencies), "misses": misses, "ended_no_inject": ended_no_inject, "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
+    return {"probes": i, "injects": len(latencies), "misses": misses, "ended_no_inject": ended_no_inject,
+            "judged_silent": len({v["probe"] for v in silent}), "silent": silent[:20], "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
             "max_ms": round(max(latencies), 1) if latencies else None, "server_p50_ms": q(server_ms, 50),
             "server_p99_ms": q(server_ms, 99)}  # fmt: skip
 
@@ -385,7 +392,7 @@ def cli(argv=None) -> int:
     else:
         pr = result["probe"]
         print(f"{result['connected']}/{args.connections} connected for {args.seconds:g} s; probe: {pr['injects']}/{pr['probes']} injected, "
-              f"p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms, misses {pr['misses']}; RSS {result['rss_mb']['start']} -> "
+              f"p50 {pr['p50_ms']} ms, p99 {pr['p99_ms']} ms, misses {pr['misses']} ({pr['judged_silent']} judged silent); RSS {result['rss_mb']['start']} -> "
               f"{result['rss_mb']['max']} MB max ({result['memory']['rss']}); errors {result['client_errors']}; abnormal closes {result['closed_abnormally']}")  # fmt: skip
     return 0
 
