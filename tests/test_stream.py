@@ -162,6 +162,30 @@ def test_overload_sheds_whole_streams_of_the_most_loaded_connection_first():
     assert [e.name for e in q.take(0.0)] == ["t6", "t7", "t8", "t9"]
 
 
+def test_overload_sheds_every_reply_span_before_a_user_turn():
+    """A 1,000-connection soak shed one probe turn in seven: the probe's one turn outweighed
+    the one-clause replies of the connections beside it. Replies go first, heaviest first;
+    user turns only once no reply span is left, by the same rule."""
+    q = Pending(max_pending=1000, stale_s=10.0, weight=lambda ev: ev.cost)
+    for c in range(5):  # five connections, each a clause of a reply waiting
+        q.put(Ev(object(), 0.0, f"r{c}", owner=f"c{c}", stream="reply", cost=2.0))
+    turn = Ev(object(), 0.0, "turn", owner="probe", stream="p1", cost=6.0)
+    turn.source = "user"
+    q.put(turn)
+    for c in range(2):  # two connections' turns beside a reply of their own
+        t = Ev(object(), 0.0, f"t{c}", owner=f"u{c}", stream="t", cost=3.0)
+        t.source = "user"
+        q.put(t)
+        q.put(Ev(object(), 0.0, f"ur{c}", owner=f"u{c}", stream="r", cost=1.0))
+    assert q.shed(budget=12.0) == 7  # every reply span (weight 12) goes, not the heavy turn
+    assert sorted(e.name for e in q.take(0.0)) == ["t0", "t1", "turn"]
+    for name, cost in (("a", 6.0), ("b", 3.0)):
+        t = Ev(object(), 0.0, name, owner=name, stream="t", cost=cost)
+        t.source = "user"
+        q.put(t)
+    assert q.shed(budget=4.0) == 1 and [e.name for e in q.take(0.0)] == ["b"]  # turns alone: the heaviest goes
+
+
 def test_staleness_counts_from_when_the_wait_for_the_model_began():
     """A long user turn is embedded beside the model thread before it is queued (2 s and more
     with nomic under load): stale_ms is for waiting on the model, so it counts from `queued`."""
