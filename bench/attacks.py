@@ -598,7 +598,7 @@ async def main(args) -> dict:
             if args.url:
                 url = args.url
             else:
-                proc, url = await serve(args, pathlib.Path(tmp), server_table(args.set))
+                proc, url = await serve(args, pathlib.Path(tmp), server_table(args.set) + f"[model]\nidle_cores = {str(args.idle_cores == 'on').lower()}\n")
             log(f"server at {url}")
             async with await SidecarClient.connect(url, session="victim", decisions=True, wait_s=120) as sc:
                 victim = Victim(sc)
@@ -615,7 +615,7 @@ async def main(args) -> dict:
                     row["settled_s"] = await settle(url, args.settle)  # what the attack queued is worked through before the next
                 victim.reader.cancel()
             alive = proc is None or proc.returncode is None
-            return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "settings": args.set, "baseline": baseline, "attacks": rows,
+            return {"model": args.model, "threads": args.threads, "seconds": args.seconds, "settings": args.set, "idle_cores": args.idle_cores, "baseline": baseline, "attacks": rows,
                     "server_alive": alive, "targets": {"ping_p99_x": PING_TARGET, "decision_p99_x": DECISION_TARGET}}  # fmt: skip
         finally:
             if proc is not None:
@@ -662,6 +662,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=list(ATTACKS), help="these attacks only (default: all)")
     ap.add_argument("--model", default=models.SMALL_MODEL)
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the server (default 1)")
+    ap.add_argument("--idle-cores", choices=("on", "off"), default="on",
+                    help="[model] idle_cores of the server: a judgement takes every core while no other process uses them (default on)")
     ap.add_argument("--url", help="attack a running sidecar on loopback instead (its own config)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="[server] settings of the server it starts, e.g. max_batch_ms=50")
     ap.add_argument("--runs", type=int, default=1, help="whole runs, each with a fresh server; figures are medians (default 1)")

@@ -85,6 +85,7 @@ CONFIGS = {
     "baseline": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[index]\nquery_cache = 0\n[server]\nrejudge_unchanged = true\n'
                 '[cascade]\nscreen = ""\n',
     "default": "",
+    "one-thread": "[model]\nidle_cores = false\n",  # the default before a judgement took idle cores
     "minilm": f'[model]\nname = "{models.SMALL_MODEL}"\n',
     "cascade": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[cascade]\nscreen = "{models.SMALL_MODEL}"\n',
 }

@@ -30,6 +30,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
     bulk_threads: int | None = None  # threads for index builds and tunes of 256+ texts (default: every core)
+    # a judgement takes bulk_threads while no other process has used the cores for a second
+    # (and no catalog is being embedded beside it): cores.CoreWatch
+    idle_cores: bool = True
     # numpy's BLAS threads in the serving processes (serve, proxy, mcp); 0: numpy's default, a
     # thread per core, which spin between calls (telemetry.limit_blas_threads)
     blas_threads: int = 1

@@ -16,6 +16,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from sidecar.core import cores
+
 Kind = Literal["query", "document"]
 
 
@@ -42,6 +44,9 @@ def default_threads() -> int:
 
 BULK_TEXTS = 256  # a job of this many texts is throughput work (an index build, a tune)
 IDLE_S = 2.0  # the first context unused this long (no traffic): a job beside it may take every core
+LONG_CALL_S = 0.02  # a model whose judgements take this long gains from idle cores:
+# nomic's clause (40-90 ms) went p99 108 -> 61 ms on two threads, MiniLM's (5-10 ms) lost to
+# the threads' syncing, p99 20 -> 34-47 ms (docs/benchmarks.md, "Streaming capacity")
 BESIDE_PIECE = 4  # texts a job beside embeds before it looks again (a judgement that starts
 # meanwhile shares the cores with at most one piece: ~0.1 s of nomic on both)
 
@@ -67,6 +72,7 @@ class Embedder:
         prefixes: tuple[str, str] | None = None,
         max_tokens: int | None = None,
         flash_attn: bool = True,
+        idle_cores: bool = False,
     ):
         if not os.path.isfile(path):
             raise EmbedError(f"model file not found: {path}")
@@ -97,6 +103,12 @@ class Embedder:
         self.threads = threads
         self.bulk = bulk or bulk_threads()  # threads for calls of BULK_TEXTS texts or more
         self.beside_threads = max(1, threads // 2)  # the second context's, while the first is in use
+        # a judgement on the first context takes `bulk` threads while no other process has
+        # used the cores for a second and nothing runs on the second context (cores.CoreWatch)
+        self.idle_cores = cores.watch() if idle_cores and self.bulk > threads else None
+        self._beside_jobs = 0  # calls under way on the second context
+        self._call_s: float | None = None  # seconds a first-context call (not bulk) takes, running mean
+        self._jobs_lock = threading.Lock()
         self._lock = threading.Lock()
         self._first_used = 0.0  # time.monotonic() when a call on the first context last ended
         self._flash_attn = flash_attn
@@ -195,17 +207,39 @@ class Embedder:
         llm, lock = self._context()
         if llm is self._llm:
             with lock:
+                threads, t0 = self.first_threads(bulk), time.perf_counter()
                 try:
-                    return self._embed_on(llm, texts, kind, self.bulk if bulk else self.threads, self.threads)
+                    return self._embed_on(llm, texts, kind, threads, self.threads)
                 finally:
                     self._first_used = time.monotonic()
+                    if not bulk:  # on either thread count: a mean that only one-thread calls moved stuck above the bar once it passed
+                        took = time.perf_counter() - t0
+                        self._call_s = took if self._call_s is None else 0.8 * self._call_s + 0.2 * took
         own, several = self.beside_threads, len(texts) > BESIDE_PIECE
         pieces = []
-        for lo in range(0, len(texts), BESIDE_PIECE):
-            with lock:
-                threads = self.bulk if several and self._first_idle() else own
-                pieces.append(self._embed_on(llm, texts[lo : lo + BESIDE_PIECE], kind, threads, own))
+        with self._jobs_lock:
+            self._beside_jobs += 1
+        try:
+            for lo in range(0, len(texts), BESIDE_PIECE):
+                with lock:
+                    threads = self.bulk if several and self._first_idle() else own
+                    pieces.append(self._embed_on(llm, texts[lo : lo + BESIDE_PIECE], kind, threads, own))
+        finally:
+            with self._jobs_lock:
+                self._beside_jobs -= 1
         return pieces[0] if len(pieces) == 1 else Embedded(np.vstack([p.vectors for p in pieces]), [cut for p in pieces for cut in p.truncated])
+
+    def first_threads(self, bulk: bool = False) -> int:
+        """Threads for a call on the first context: `bulk` for a bulk job, and for any call
+        while the cores are idle (`idle_cores`: no other process is using them and nothing is
+        being embedded on the second context) if this model's calls are long enough to gain
+        (LONG_CALL_S); else `threads`."""
+        if bulk:
+            return self.bulk
+        if (self.idle_cores is not None and self._call_s is not None and self._call_s >= LONG_CALL_S
+                and self.idle_cores.spare and not self._beside_jobs):  # fmt: skip
+            return self.bulk
+        return self.threads
 
     def _first_idle(self) -> bool:
         return not self._lock.locked() and time.monotonic() - self._first_used >= IDLE_S

@@ -498,6 +498,7 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
         identity=identity,
         threads=cfg.model.threads,
         bulk=cfg.model.bulk_threads,
+        idle_cores=cfg.model.idle_cores,
         prefixes=prefixes,
         max_tokens=spec.n_ctx if spec else None,
     )
