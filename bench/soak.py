@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar.core import models  # noqa: E402
 from sidecar import protocol as p  # noqa: E402
 from sidecar.client import SidecarClient, tokens  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 NOTES = ROOT / "fixtures" / "catalogs" / "notes.json"
 PROBE = "I should call create_note to save this meeting summary number {i}."
@@ -251,6 +252,7 @@ async def probe(url: str, stop: float, args) -> dict:
     misses = 0
     ended_no_inject = 0  # of the misses: ended with no inject (judged silent, or shed), not timed out
     silent: list[dict] = []  # the verdicts on the probes judged and not fired on
+    lost = None  # how the probe's connection closed, if the server closed it
     async with await SidecarClient.connect(url, session="probe", wait_s=60, decisions=True) as sc:
         i = 0
         while time.monotonic() < stop:
@@ -275,6 +277,10 @@ async def probe(url: str, stop: float, args) -> dict:
                         break
             except TimeoutError:
                 pass
+            except ConnectionClosed as e:  # counted, not raised: the report says what the probe saw
+                lost = f"{e.rcvd.code if e.rcvd else 'no close frame'} at probe {i}"
+                misses += 1
+                break
             if got is None:
                 misses += 1
             else:
@@ -285,7 +291,7 @@ async def probe(url: str, stop: float, args) -> dict:
         return round(statistics.quantiles(xs, n=100, method="inclusive")[f - 1], 1) if len(xs) >= 2 else (round(xs[0], 1) if xs else None)
 
     return {"probes": i, "injects": len(latencies), "misses": misses, "ended_no_inject": ended_no_inject,
-            "judged_silent": len({v["probe"] for v in silent}), "silent": silent[:20], "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
+            "judged_silent": len({v["probe"] for v in silent}), "silent": silent[:20], "connection_lost": lost, "p50_ms": q(latencies, 50), "p99_ms": q(latencies, 99),
             "max_ms": round(max(latencies), 1) if latencies else None, "server_p50_ms": q(server_ms, 50),
             "server_p99_ms": q(server_ms, 99)}  # fmt: skip
 

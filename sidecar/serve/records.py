@@ -1,16 +1,16 @@
 """tool_result and feedback frames: checked on the event loop (an unknown tool is an error and
-nothing is stored), committed to the metrics store on a store thread, and acknowledged only
-after the commit; a failed call's `ack` carries stand-ins for it. Records are scoped by the
+nothing is stored), committed to the metrics store on a store thread, those that arrived
+meanwhile together, and acknowledged only after the commit; a failed call's `ack` carries stand-ins for it. Records are scoped by the
 server's connection id, never by a client-chosen name."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import collections
 import hashlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -25,66 +25,92 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.server")
 
 
+BATCH = 256  # records committed in one transaction at most
+
+
 class Records:
+    """The records waiting for the store, in arrival order, and the one task that commits
+    them: whatever arrived while a commit ran goes in the next transaction (`write_many`),
+    so the store keeps up with a server whose event loop is saturated (a 1,000-connection soak
+    committed one record a transaction and a thread hand-off each, fell behind, and held
+    53,000 uncommitted records, RSS climbing 10 MB a minute)."""
+
     def __init__(self, server: SidecarServer):
         self.server = server
-        self.pending: set[asyncio.Task] = set()
+        self.pending: set[asyncio.Task] = set()  # the committing task, while it runs
+        self._queue: collections.deque[tuple[Connection, p.ToolResult | p.Feedback, Callable[[Any], int]]] = collections.deque()
 
     def take(self, conn: Connection, msg: p.ToolResult | p.Feedback) -> None:
-        """Check the message now (an unknown tool is an error, nothing recorded), commit it on
-        a store thread, ack after the commit."""
+        """Check the message now (an unknown tool is an error, nothing recorded), queue it for
+        the store, ack after the commit."""
         s = conn.session
         if s.scope.catalog.get(msg.tool) is None:
             raise p.ProtocolError("unknown_tool", f"no tool {msg.tool!r} in this session's catalog")
-        if self.server.history is None:
+        history = self.server.history
+        if history is None:
             raise p.ProtocolError("store_failed", "this sidecar has no store")
         key, digest = ref_key(conn.refs, msg.ref), payload_digest(msg)
         if isinstance(msg, p.ToolResult):
             if s.turns is not None:
                 s.turns.called(msg.tool)
-            write = functools.partial(self._store_call, conn, msg, key, digest)
+            server, tool = key_of(s.scope.catalog, msg.tool)
+            write = history.call_write(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent, call_id=key,
+                                       reporter=conn.id, digest=digest)  # fmt: skip
         else:
-            write = functools.partial(self._store_feedback, feedback_of(s, msg), msg.ref, key, digest)
+            write = history.feedback_write(feedback_of(s, msg), key, digest)
         conn.records += 1
-        task = asyncio.create_task(self._commit(conn, type(msg).__struct_config__.tag, write, msg.ref))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self._queue.append((conn, msg, write))
+        if not self.pending:
+            task = asyncio.create_task(self._commit_all())
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
 
-    async def _commit(self, conn: Connection, kind: str, write: Callable[[], p.Ack], ref: p.Ref | None) -> None:
-        try:
-            ack = await asyncio.to_thread(write)
-        except RefReused:
-            conn.send(p.Error("ref_reused", f"{kind} not recorded: its ref was already used for a different {kind} "
-                                            "(a resend must be the same frame; a new record needs a new ref)", ref))  # fmt: skip
-            return
-        except StoreBusy as e:  # another process held the write lock past the bound: the client may resend
-            log.warning("a %s was not recorded: %s", kind, e)
-            conn.send(p.Error("store_busy", f"{kind} not recorded: the store is locked by another process; "
-                                            "resend it (the same ref is counted once)", ref))  # fmt: skip
-            return
-        except Exception as e:
-            log.exception("recording a %s failed", kind)
-            conn.send(p.Error("store_failed", f"{kind} not recorded: {e}", ref))
-            return
-        finally:
-            conn.recorded()
-        self.server.metrics.events.labels(kind).inc()
-        if kind == "tool_result" and self.server.learner is not None:
-            self.server.learner.called()
-        conn.send(ack)
+    async def _commit_all(self) -> None:
+        while self._queue:
+            batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+            try:
+                answers = await asyncio.to_thread(self._commit, batch)
+            except StoreBusy as e:  # another process held the write lock past the bound: the clients may resend
+                log.warning("%d records were not recorded: %s", len(batch), e)
+                answers = [e] * len(batch)
+            except Exception as e:
+                log.exception("recording %d records failed", len(batch))
+                answers = [e] * len(batch)
+            for (conn, msg, _), answer in zip(batch, answers):
+                conn.recorded()
+                conn.send(self._reply(conn, msg, answer))
 
-    def _store_call(self, conn: Connection, msg: p.ToolResult, key: str | None, digest: str) -> p.Ack:
-        """On a store thread: the call, committed; for a failed one, the stand-ins."""
-        scope = conn.session.scope
-        server, tool = key_of(scope.catalog, msg.tool)
-        row = self.server.history.record_call(server, tool, msg.ok, msg.latency_ms, msg.error, agent=conn.session.hello.agent,
-                                              call_id=key, reporter=conn.id, digest=digest)  # fmt: skip
-        if msg.ok:
-            return p.Ack(msg.ref, row)
-        return p.Ack(msg.ref, row, scope.engine.recommender.fallbacks(msg.tool, scope.context) or None)
+    def _commit(self, batch) -> list[p.Ack | Exception]:
+        """On a store thread: the batch, committed; for a failed call, its stand-ins."""
+        rows = self.server.history.write_many([write for _, _, write in batch])
+        answers: list[p.Ack | Exception] = []
+        for (conn, msg, _), row in zip(batch, rows):
+            if isinstance(row, RefReused) or isinstance(msg, p.Feedback) or msg.ok:
+                answers.append(row if isinstance(row, RefReused) else p.Ack(msg.ref, row))
+                continue
+            scope = conn.session.scope
+            try:
+                fallbacks = scope.engine.recommender.fallbacks(msg.tool, scope.context) or None
+            except Exception:
+                log.exception("stand-ins for %s failed", msg.tool)
+                fallbacks = None
+            answers.append(p.Ack(msg.ref, row, fallbacks))
+        return answers
 
-    def _store_feedback(self, fb: Feedback, ref: p.Ref | None, key: str | None, digest: str) -> p.Ack:
-        return p.Ack(ref, self.server.history.record_feedback(fb, key, digest))
+    def _reply(self, conn: Connection, msg: p.ToolResult | p.Feedback, answer: p.Ack | Exception) -> p.Ack | p.Error:
+        kind = type(msg).__struct_config__.tag
+        if isinstance(answer, p.Ack):
+            self.server.metrics.events.labels(kind).inc()
+            if kind == "tool_result" and self.server.learner is not None:
+                self.server.learner.called()
+            return answer
+        if isinstance(answer, RefReused):
+            return p.Error("ref_reused", f"{kind} not recorded: its ref was already used for a different {kind} "
+                                         "(a resend must be the same frame; a new record needs a new ref)", msg.ref)  # fmt: skip
+        if isinstance(answer, StoreBusy):
+            return p.Error("store_busy", f"{kind} not recorded: the store is locked by another process; "
+                                         "resend it (the same ref is counted once)", msg.ref)  # fmt: skip
+        return p.Error("store_failed", f"{kind} not recorded: {answer}", msg.ref)
 
 
 def ref_key(scope: str, ref: p.Ref | None) -> str | None:
