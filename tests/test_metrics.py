@@ -73,6 +73,24 @@ def test_a_ref_resent_with_its_payload_counts_once_and_with_another_is_refused(m
     assert ms.record_feedback(fb) != f1  # no ref: nothing to deduplicate
 
 
+def test_records_written_together_commit_at_once_and_a_reused_ref_takes_only_its_own_place(ms):
+    """What a loaded server commits in one transaction: the calls and feedback of a batch, where
+    a ref resent with another payload is refused and the rest are kept."""
+    first = ms.record_call("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1")
+    fb = Feedback(query="q", recommended=["fs__read_file"], selected="fs__read_file", rating=4.0)
+    rows = ms.write_many([
+        ms.call_write("fs", "read_file", True, 7.0, call_id="k\x1fr-2", digest="d2"),
+        ms.call_write("fs", "read_file", False, 9.0, "EIO", call_id="k\x1fr-1", digest="other"),
+        ms.feedback_write(fb, "k\x1fr-3", "d3"),
+        ms.call_write("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1"),
+    ])  # fmt: skip
+    assert isinstance(rows[0], int) and isinstance(rows[1], RefReused) and isinstance(rows[2], int) and rows[3] == first
+    m = ms.tool("fs", "read_file")
+    assert (m.call_count, m.failure_count) == (2, 0)
+    assert ms.store.query("SELECT count(*) FROM feedback")[0][0] == 1
+    assert ms.write_many([]) == []
+
+
 def test_a_store_from_before_record_refs_opens_and_keeps_its_rows(ms):
     """The migration: a store written before record_refs existed gains the table when opened
     and keeps its calls; an old call_id resent with a digest still counts once."""
