@@ -30,8 +30,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)
     bulk_threads: int | None = None  # threads for index builds and tunes of 256+ texts (default: every core)
-    # a judgement takes bulk_threads while no other process has used the cores for a second
-    # (and no catalog is being embedded beside it): cores.CoreWatch
+    # a judgement takes bulk_threads while no other process uses the cores (0.3 s of
+    # /proc/stat), no catalog is being embedded beside it and the model's calls take 20 ms
+    # or more: cores.CoreWatch, embed.Embedder.first_threads
     idle_cores: bool = True
     # numpy's BLAS threads in the serving processes (serve, proxy, mcp); 0: numpy's default, a
     # thread per core, which spin between calls (telemetry.limit_blas_threads)

@@ -103,8 +103,7 @@ class Embedder:
         self.threads = threads
         self.bulk = bulk or bulk_threads()  # threads for calls of BULK_TEXTS texts or more
         self.beside_threads = max(1, threads // 2)  # the second context's, while the first is in use
-        # a judgement on the first context takes `bulk` threads while no other process has
-        # used the cores for a second and nothing runs on the second context (cores.CoreWatch)
+        # the watch that lets a judgement take `bulk` threads on idle cores (first_threads)
         self.idle_cores = cores.watch() if idle_cores and self.bulk > threads else None
         self._beside_jobs = 0  # calls under way on the second context
         self._call_s: float | None = None  # seconds a first-context call (not bulk) takes, running mean
@@ -212,7 +211,7 @@ class Embedder:
                     return self._embed_on(llm, texts, kind, threads, self.threads)
                 finally:
                     self._first_used = time.monotonic()
-                    if not bulk:  # on either thread count: a mean that only one-thread calls moved stuck above the bar once it passed
+                    if not bulk:  # on either thread count: a mean of one-thread calls alone stuck above the bar
                         took = time.perf_counter() - t0
                         self._call_s = took if self._call_s is None else 0.8 * self._call_s + 0.2 * took
         own, several = self.beside_threads, len(texts) > BESIDE_PIECE

@@ -1,7 +1,8 @@
 """tool_result and feedback frames: checked on the event loop (an unknown tool is an error and
 nothing is stored), committed to the metrics store on a store thread, those that arrived
-meanwhile together, and acknowledged only after the commit; a failed call's `ack` carries stand-ins for it. Records are scoped by the
-server's connection id, never by a client-chosen name."""
+meanwhile together, and acknowledged only after the commit; a failed call's `ack` carries
+stand-ins for it. Records are scoped by the server's connection id, never by a client-chosen
+name."""
 
 from __future__ import annotations
 
