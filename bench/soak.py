@@ -143,7 +143,8 @@ def memory(pid: int, url: str | None) -> dict[str, float]:
             if name in m:
                 out[key] = round(m[name] / 2**20, 2)
         for name, key in (("sidecar_malloc_arenas", "arenas"), ("sidecar_query_cache_entries", "query_cache"),
-                          ("sidecar_session_streams", "streams"), ("sidecar_python_allocated_blocks", "py_blocks")):  # fmt: skip
+                          ("sidecar_session_streams", "streams"), ("sidecar_python_allocated_blocks", "py_blocks"),
+                          ("sidecar_records_waiting", "records_waiting")):  # fmt: skip
             if name in m:
                 out[key] = int(m[name])
     return out
@@ -351,6 +352,7 @@ async def main(args) -> dict:
                    "end": round(values[-1], 1) if values else None,
                    "samples": [[t, round(r, 1)] for t, r in rss if r is not None]},
         "memory": {"rss": trend(mem), "anon": trend(mem, "anon"), "malloc_free": trend(mem, "malloc_free"),
+                   "records_waiting": trend(mem, "records_waiting"),
                    "samples": [{"t": t, **m} for t, m in mem]},
         "env": args.env, "set": args.set,
         "server_exit": proc.returncode, "wall_s": round(time.monotonic() - t_start, 1),

@@ -79,16 +79,42 @@ def test_records_written_together_commit_at_once_and_a_reused_ref_takes_only_its
     first = ms.record_call("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1")
     fb = Feedback(query="q", recommended=["fs__read_file"], selected="fs__read_file", rating=4.0)
     rows = ms.write_many([
-        ms.call_write("fs", "read_file", True, 7.0, call_id="k\x1fr-2", digest="d2"),
-        ms.call_write("fs", "read_file", False, 9.0, "EIO", call_id="k\x1fr-1", digest="other"),
-        ms.feedback_write(fb, "k\x1fr-3", "d3"),
-        ms.call_write("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1"),
+        ms.call_record("fs", "read_file", True, 7.0, call_id="k\x1fr-2", digest="d2"),
+        ms.call_record("fs", "read_file", False, 9.0, "EIO", call_id="k\x1fr-1", digest="other"),
+        ms.feedback_record(fb, "k\x1fr-3", "d3"),
+        ms.call_record("fs", "read_file", True, 5.0, call_id="k\x1fr-1", digest="d1"),
     ])  # fmt: skip
     assert isinstance(rows[0], int) and isinstance(rows[1], RefReused) and isinstance(rows[2], int) and rows[3] == first
     m = ms.tool("fs", "read_file")
     assert (m.call_count, m.failure_count) == (2, 0)
     assert ms.store.query("SELECT count(*) FROM feedback")[0][0] == 1
     assert ms.write_many([]) == []
+
+
+def test_a_batch_leaves_the_totals_and_ids_one_record_at_a_time_would(tmp_path, clock):
+    """write_many folds a batch into each tool's totals in one statement: the same totals,
+    averages, times and last error as the records written one by one, across more rows than one
+    statement takes; a call resent inside the batch (same ref and payload, or the same call_id)
+    answers the first row's id and counts once."""
+    one = MetricsStore(open_store(tmp_path / "one.db"), clock=clock)
+    many = MetricsStore(open_store(tmp_path / "many.db"), clock=clock)
+    calls = [("fs", f"t{i % 7}", i % 5 != 0, None if i % 11 == 0 else float(i), None if i % 5 else f"E{i}", f"k\x1fr{i}", T0 + i)
+             for i in range(600)]  # fmt: skip
+    singly = [one.record_call(srv, tool, ok, lat, err, call_id=ref, digest="d", ts=ts) for srv, tool, ok, lat, err, ref, ts in calls]
+    batch = [many.call_record(srv, tool, ok, lat, err, call_id=ref, digest="d", ts=ts) for srv, tool, ok, lat, err, ref, ts in calls]
+    batch += [many.call_record("fs", "t0", True, 1.0, call_id="k\x1fr3", digest="d", ts=T0 + 999),  # resent
+              many.call_record("fs", "t0", True, 1.0, call_id="plain", ts=T0 + 999),
+              many.call_record("fs", "t0", True, 1.0, call_id="plain", ts=T0 + 999)]  # fmt: skip
+    rows = many.write_many(batch)
+    assert rows[:600] == singly and rows[600] == rows[3] and rows[601] == rows[602]
+    one.record_call("fs", "t0", True, 1.0, call_id="plain", ts=T0 + 999)
+    for tool in (f"t{k}" for k in range(7)):
+        a, b = one.tool("fs", tool), many.tool("fs", tool)
+        assert (a.call_count, a.success_count, a.failure_count, a.last_error, a.last_called_at, a.last_success_at) == \
+               (b.call_count, b.success_count, b.failure_count, b.last_error, b.last_called_at, b.last_success_at)  # fmt: skip
+        assert b.avg_latency_ms == pytest.approx(a.avg_latency_ms)
+    assert one.tool("fs", "t0").call_count == 87 and one.tool("fs", "t0").last_error == "E595"
+    assert many.generation() == 1  # one batch, one change
 
 
 def test_a_store_from_before_record_refs_opens_and_keeps_its_rows(ms):

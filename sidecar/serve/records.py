@@ -10,13 +10,12 @@ import asyncio
 import collections
 import hashlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from .. import protocol as p
-from ..store.metrics import Feedback, RefReused, key_of
+from ..store.metrics import Feedback, Record, RefReused, key_of
 from .session import Session
 from ..store import StoreBusy
 
@@ -39,7 +38,13 @@ class Records:
     def __init__(self, server: SidecarServer):
         self.server = server
         self.pending: set[asyncio.Task] = set()  # the committing task, while it runs
-        self._queue: collections.deque[tuple[Connection, p.ToolResult | p.Feedback, Callable[[Any], int]]] = collections.deque()
+        self._committing = 0  # records in the commit that runs
+        self._queue: collections.deque[tuple[Connection, p.ToolResult | p.Feedback, Record]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Records received and not yet committed: queued, or in the commit that runs."""
+        return len(self._queue) + self._committing
 
     def take(self, conn: Connection, msg: p.ToolResult | p.Feedback) -> None:
         """Check the message now (an unknown tool is an error, nothing recorded), queue it for
@@ -55,12 +60,12 @@ class Records:
             if s.turns is not None:
                 s.turns.called(msg.tool)
             server, tool = key_of(s.scope.catalog, msg.tool)
-            write = history.call_write(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent, call_id=key,
-                                       reporter=conn.id, digest=digest)  # fmt: skip
+            record = history.call_record(server, tool, msg.ok, msg.latency_ms, msg.error, agent=s.hello.agent, call_id=key,
+                                         reporter=conn.id, digest=digest)  # fmt: skip
         else:
-            write = history.feedback_write(feedback_of(s, msg), key, digest)
+            record = history.feedback_record(feedback_of(s, msg), key, digest)
         conn.records += 1
-        self._queue.append((conn, msg, write))
+        self._queue.append((conn, msg, record))
         if not self.pending:
             task = asyncio.create_task(self._commit_all())
             self.pending.add(task)
@@ -69,6 +74,7 @@ class Records:
     async def _commit_all(self) -> None:
         while self._queue:
             batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+            self._committing = len(batch)
             try:
                 answers = await asyncio.to_thread(self._commit, batch)
             except StoreBusy as e:  # another process held the write lock past the bound: the clients may resend
@@ -77,13 +83,14 @@ class Records:
             except Exception as e:
                 log.exception("recording %d records failed", len(batch))
                 answers = [e] * len(batch)
+            self._committing = 0
             for (conn, msg, _), answer in zip(batch, answers):
                 conn.recorded()
                 conn.send(self._reply(conn, msg, answer))
 
     def _commit(self, batch) -> list[p.Ack | Exception]:
         """On a store thread: the batch, committed; for a failed call, its stand-ins."""
-        rows = self.server.history.write_many([write for _, _, write in batch])
+        rows = self.server.history.write_many([record for _, _, record in batch])
         answers: list[p.Ack | Exception] = []
         for (conn, msg, _), row in zip(batch, rows):
             if isinstance(row, RefReused) or isinstance(msg, p.Feedback) or msg.ok:

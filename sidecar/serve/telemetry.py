@@ -125,6 +125,8 @@ class _Live(Collector):
         s = self.server
         yield _gauge("sidecar_queue_depth", "Evaluations waiting for the model.", len(s.pending))
         yield _gauge("sidecar_connections", "Open websocket connections.", len(s.connections))
+        yield _gauge("sidecar_records_waiting", "tool_result and feedback records received and not yet committed to the store.",
+                     s.records.waiting)
         yield _gauge("sidecar_ready", "1 once the model and index are loaded.", float(s.ready))
         dropped = CounterMetricFamily("sidecar_dropped_evaluations", "Evaluations dropped under load, by reason.", labels=("reason",))
         for reason in REASONS:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,7 +24,7 @@ import msgspec
 import orjson
 
 from ..core.catalog import SEP, Catalog
-from .base import Store
+from .base import Store, StoreBusy
 
 DAY_S = 86400.0
 MAX_ERROR_CHARS = 500  # the default cap of a stored error (StringCaps.error)
@@ -219,23 +219,218 @@ class RefReused(ValueError):
         self.kind, self.ref = kind, ref
 
 
-def _claim(db, ref: str, kind: str, digest: str, ts: float) -> int | None:
-    """Claim `ref` for a new record (None), or return the row of its first record when it was
-    the same payload; a different payload under a used ref raises RefReused. Within the
-    write's transaction: a replica claiming the same ref at the same moment waits for this
-    one's commit (PostgreSQL's unique index), then finds it."""
-    claimed = db.execute("INSERT INTO record_refs (ref, kind, digest, ts) VALUES (?,?,?,?) ON CONFLICT (ref, kind) DO NOTHING RETURNING ts",
-                         (ref, kind, digest, ts)).fetchone()  # fmt: skip
-    if claimed is not None:
-        return None
-    first, row_id = db.execute("SELECT digest, row_id FROM record_refs WHERE ref=? AND kind=?", (ref, kind)).fetchone()
-    if first != digest:
-        raise RefReused(kind, ref)
-    return int(row_id)
+class CallRecord(msgspec.Struct, frozen=True):
+    """One tool call as it is stored (`MetricsStore.call_record`): strings cut to the caps,
+    its time set. With `call_id` and `digest`, `call_id` is also its ref in `record_refs`."""
+
+    server: str
+    tool: str
+    success: bool
+    latency_ms: float | None
+    error: str | None
+    agent: str | None
+    call_id: str | None
+    ts: float
+    reporter: str | None
+    digest: str | None
+
+    kind = "tool_result"
+
+    @property
+    def ref(self) -> str | None:
+        return self.call_id
 
 
-def _claimed(db, ref: str, kind: str, row_id: int) -> None:
-    db.execute("UPDATE record_refs SET row_id=? WHERE ref=? AND kind=?", (row_id, ref, kind))
+class FeedbackRecord(msgspec.Struct, frozen=True):
+    """One feedback row as it is stored (`MetricsStore.feedback_record`)."""
+
+    row: tuple  # the feedback table's columns after id, in order
+    rated: bool
+    ref: str | None
+    digest: str | None
+    ts: float
+
+    kind = "feedback"
+
+
+Record = CallRecord | FeedbackRecord
+BATCH_ROWS = 256  # rows in one multi-row statement (SQLite allows 32,766 parameters)
+RACE_RETRIES = 5  # a batch retried after a replica claimed one of its refs meanwhile (PostgreSQL)
+
+
+class _Raced(Exception):
+    """A multi-row insert skipped a row another replica committed since this batch looked: the
+    transaction is rolled back and the batch looked at again."""
+
+
+def _or_raise(answer: int | RefReused) -> int:
+    if isinstance(answer, RefReused):
+        raise answer
+    return answer
+
+
+def _chunks(items: Sequence, n: int = BATCH_ROWS) -> Iterable[Sequence]:
+    for at in range(0, len(items), n):
+        yield items[at : at + n]
+
+
+def _insert_all(db, head: str, rows: Sequence[tuple], tail: str = "") -> None:
+    """`INSERT head VALUES (...), (...) tail`, BATCH_ROWS rows a statement; raises _Raced when
+    a conflict skipped one (the caller left only rows that were new when it looked)."""
+    for part in _chunks(rows):
+        marks = "(" + ",".join("?" * len(part[0])) + ")"
+        cur = db.execute(f"INSERT INTO {head} VALUES {','.join([marks] * len(part))} {tail}", [v for row in part for v in row])
+        if cur.rowcount != len(part):
+            raise _Raced()
+
+
+def _ids_by_call_id(db, call_ids: Sequence[str]) -> dict[str, int]:
+    """{call_id: row id} of the stored calls among `call_ids`, in one row per statement: SQLite
+    gives the GIL back at every row it steps over, and beside a busy event loop each hand-back
+    waits up to the 5 ms switch interval (a row a record held a 1,000-connection soak's
+    writes to ~23 a second)."""
+    out: dict[str, int] = {}
+    for part in _chunks(call_ids):
+        text = db.execute(f"SELECT CAST(json_agg(json_build_array(call_id, id)) AS TEXT) FROM tool_calls "
+                          f"WHERE call_id IN ({','.join('?' * len(part))})", part).fetchone()[0]  # fmt: skip
+        out.update((c, int(i)) for c, i in orjson.loads(text or "[]"))
+    return out
+
+
+def _claims(db, records: Sequence[Record]) -> tuple[list[int | RefReused | None], dict[int, int]]:
+    """Each record's ref claimed for it, or its answer when the ref was recorded before: the
+    first record's row for the same payload, RefReused for another. Returns those answers (None:
+    claimed now, to be written) and {index: index of the batch's earlier record with the same
+    ref and payload}. A claim commits with the rows it names: a replica claiming the same ref
+    at the same moment waits for this transaction (PostgreSQL's unique index), then finds it."""
+    out: list[int | RefReused | None] = [None] * len(records)
+    keyed = [(i, (r.ref, r.kind)) for i, r in enumerate(records) if r.ref is not None and r.digest is not None]
+    before: dict[tuple[str, str], tuple[str, int | None]] = {}
+    for part in _chunks(sorted({ref for _, (ref, _) in keyed})):
+        for ref, kind, digest, row_id in db.execute(f"SELECT ref, kind, digest, row_id FROM record_refs "
+                                                    f"WHERE ref IN ({','.join('?' * len(part))})", part).fetchall():  # fmt: skip
+            before[(ref, kind)] = (digest, row_id)
+    first: dict[tuple[str, str], int] = {}
+    same: dict[int, int] = {}
+    claims: list[tuple] = []
+    for i, key in keyed:
+        r = records[i]
+        if key in before:
+            digest, row_id = before[key]
+            out[i] = int(row_id) if digest == r.digest and row_id is not None else RefReused(r.kind, key[0])
+        elif key in first:
+            j = first[key]
+            if records[j].digest == r.digest:
+                same[i] = j
+            else:
+                out[i] = RefReused(r.kind, key[0])
+        else:
+            first[key] = i
+            claims.append((key[0], key[1], r.digest, r.ts))
+    if claims:
+        _insert_all(db, "record_refs (ref, kind, digest, ts)", claims, "ON CONFLICT (ref, kind) DO NOTHING")
+    return out, same
+
+
+def _write_calls(db, calls: Sequence[tuple[int, CallRecord]], out: list, same: dict[int, int]) -> list[CallRecord]:
+    """The calls still unanswered, logged; returns those counted (not a resent call_id)."""
+    named = [(i, c) for i, c in calls if c.call_id is not None]
+    stored = _ids_by_call_id(db, sorted({c.call_id for _, c in named})) if named else {}
+    first: dict[str, int] = {}
+    new: list[tuple[int, CallRecord]] = []
+    for i, c in named:
+        if c.call_id in stored:  # resent: the first row's id, nothing counted
+            out[i] = stored[c.call_id]
+        elif c.call_id in first:
+            same[i] = first[c.call_id]
+        else:
+            first[c.call_id] = i
+            new.append((i, c))
+    if new:
+        _insert_all(db, "tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter)",
+                    [_call_row(c) for _, c in new], "ON CONFLICT (call_id) DO NOTHING")  # fmt: skip
+        ids = _ids_by_call_id(db, [c.call_id for _, c in new])
+        for i, c in new:
+            out[i] = ids[c.call_id]
+    for i, c in calls:  # no call_id: this process's own calls, one at a time
+        if c.call_id is None:
+            out[i] = int(db.execute("INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter) "
+                                    "VALUES (?,?,?,?,?,?,?,?,?) RETURNING id", _call_row(c)).fetchone()[0])  # fmt: skip
+            new.append((i, c))
+    refs = sorted({c.call_id for _, c in calls if c.digest is not None and c.call_id is not None})
+    for part in _chunks(refs):
+        db.execute(f"UPDATE record_refs SET row_id = (SELECT id FROM tool_calls WHERE call_id = record_refs.ref) "
+                   f"WHERE kind = 'tool_result' AND row_id IS NULL AND ref IN ({','.join('?' * len(part))})", part)  # fmt: skip
+    return [c for _, c in new]
+
+
+def _call_row(c: CallRecord) -> tuple:
+    return (c.call_id, c.ts, c.server, c.tool, c.agent, 1 if c.success else 0, c.latency_ms, None if c.success else c.error, c.reporter)
+
+
+def _count_calls(db, calls: Sequence[CallRecord]) -> None:
+    """The new calls folded into their tools' totals, one row per tool: the totals a call at a
+    time would leave (the last call's time and error, latency averaged over all)."""
+    totals: dict[tuple[str, str], list] = {}
+    for c in calls:
+        t = totals.setdefault((c.server, c.tool), [0, 0, 0.0, 0, c.ts, None, None, c.ts, c.ts])
+        t[0] += 1
+        t[1] += 1 if c.success else 0
+        if c.latency_ms is not None:
+            t[2] += c.latency_ms
+            t[3] += 1
+        t[4] = max(t[4], c.ts)
+        if c.success:
+            t[5] = c.ts if t[5] is None else max(t[5], c.ts)
+        elif c.error:
+            t[6] = c.error
+        t[7] = c.ts
+    rows = [(server, tool, n, ok, n - ok, lat / lc if lc else None, lc, called, success_at, err, created, updated)
+            for (server, tool), (n, ok, lat, lc, called, success_at, err, updated, created) in totals.items()]  # fmt: skip
+    for part in _chunks(rows):
+        db.execute(
+            f"""INSERT INTO tool_metrics AS cur (server, tool, call_count, success_count, failure_count, avg_latency_ms,
+                   latency_count, last_called_at, last_success_at, last_error, created_at, updated_at)
+               VALUES {','.join(['(?,?,?,?,?,?,?,?,?,?,?,?)'] * len(part))}
+               ON CONFLICT (server, tool) DO UPDATE SET
+                   call_count = cur.call_count + excluded.call_count,
+                   success_count = cur.success_count + excluded.success_count,
+                   failure_count = cur.failure_count + excluded.failure_count,
+                   avg_latency_ms = CASE WHEN excluded.latency_count = 0 THEN cur.avg_latency_ms
+                       ELSE (coalesce(cur.avg_latency_ms, 0) * cur.latency_count + excluded.avg_latency_ms * excluded.latency_count)
+                            / (cur.latency_count + excluded.latency_count) END,
+                   latency_count = cur.latency_count + excluded.latency_count,
+                   last_called_at = greatest(coalesce(cur.last_called_at, excluded.last_called_at), excluded.last_called_at),
+                   last_success_at = CASE WHEN excluded.last_success_at IS NULL THEN cur.last_success_at
+                       ELSE greatest(coalesce(cur.last_success_at, excluded.last_success_at), excluded.last_success_at) END,
+                   last_error = coalesce(excluded.last_error, cur.last_error),
+                   updated_at = excluded.updated_at""",
+            [v for row in part for v in row],
+        )
+
+
+def _write_batch(db, records: Sequence[Record]) -> list[int | RefReused]:
+    """`MetricsStore.write_many` inside its transaction: a few statements a batch, whatever its
+    size (refs looked up and claimed, calls inserted, their ids read, totals folded, one
+    generation bump); feedback, rarer, a row at a time."""
+    out, same = _claims(db, records)
+    calls = [(i, r) for i, r in enumerate(records) if isinstance(r, CallRecord) and out[i] is None and i not in same]
+    counted = _write_calls(db, calls, out, same) if calls else []
+    rated = False
+    for i, r in enumerate(records):
+        if isinstance(r, FeedbackRecord) and out[i] is None and i not in same:
+            row_id = out[i] = int(db.execute("INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) "
+                                             "VALUES (?,?,?,?,?,?,?,?,?) RETURNING id", r.row).fetchone()[0])  # fmt: skip
+            rated = rated or r.rated
+            if r.ref is not None and r.digest is not None:
+                db.execute("UPDATE record_refs SET row_id=? WHERE ref=? AND kind='feedback'", (row_id, r.ref))
+    if counted:
+        _count_calls(db, counted)
+    if counted or rated:
+        db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
+    for i, j in same.items():
+        out[i] = out[j]
+    return out  # type: ignore[return-value]
 
 
 class MetricsStore:
@@ -265,10 +460,11 @@ class MetricsStore:
 
     def record_call(self, server: str, tool: str, success: bool, latency_ms: float | None = None, error: str | None = None,
                     **kw: Any) -> int:  # fmt: skip
-        """`call_write`'s record in a transaction of its own; returns the raw row's id once committed."""
-        return self.store.write(self.call_write(server, tool, success, latency_ms, error, **kw), self.write_timeout_s)
+        """`call_record`'s call in a transaction of its own; returns the raw row's id once
+        committed (RefReused raised, nothing written, for a ref used with another payload)."""
+        return _or_raise(self.write_many([self.call_record(server, tool, success, latency_ms, error, **kw)])[0])
 
-    def call_write(
+    def call_record(
         self,
         server: str,
         tool: str,
@@ -281,110 +477,51 @@ class MetricsStore:
         ts: float | None = None,
         reporter: str | None = None,
         digest: str | None = None,
-    ) -> Callable[[Any], int]:
-        """The write of one tool call (`record_call`, `write_many`): log it and fold it into the tool's totals, returning the raw row's id.
-        A `call_id` seen before returns the first row's id and counts nothing.
+    ) -> CallRecord:
+        """One tool call for `write_many`, which logs it and folds it into the tool's totals.
+        A `call_id` seen before answers the first row's id and counts nothing.
         `reporter` names who reported it (the server's connection id), so one reporter's
         failures alone do not mark a server failing for everyone (`failure_reporters`); None
         is this process's own call. With `digest` (of the client's payload) the `call_id` is
-        remembered with it in `record_refs`: the same payload again returns the first row's id,
-        another one raises RefReused and records nothing. Waits at most `write_timeout_s` for the
-        write lock."""
-        ts = self.clock() if ts is None else ts
+        remembered with it in `record_refs`: the same payload again answers the first row's
+        id, another one RefReused, recording nothing."""
         if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
             latency_ms = None
         caps = self.caps
-        server, tool, agent = cut(server, caps.name), cut(tool, caps.name), cut(agent, caps.agent)
-        err = cut(error, caps.error) if error else None
-        ok = 1 if success else 0
-        reporter = cut(reporter, caps.name)
-
-        def write(db) -> int:
-            if call_id is not None and digest is not None and (first := _claim(db, call_id, "tool_result", digest, ts)) is not None:
-                return first
-            row = db.execute(
-                """INSERT INTO tool_calls (call_id, ts, server, tool, agent, success, latency_ms, error, reporter)
-                   VALUES (?,?,?,?,?,?,?,?,?) ON CONFLICT (call_id) DO NOTHING RETURNING id""",
-                (call_id, ts, server, tool, agent, ok, latency_ms, None if success else err, reporter),
-            ).fetchone()
-            if row is None:  # a resent call_id (stored before record_refs): the first row's id, nothing counted
-                row_id = int(db.execute("SELECT id FROM tool_calls WHERE call_id=?", (call_id,)).fetchone()[0])
-            else:
-                row_id = row[0]
-            if call_id is not None and digest is not None:
-                _claimed(db, call_id, "tool_result", row_id)
-            if row is None:
-                return row_id
-            db.execute(
-                """INSERT INTO tool_metrics AS cur (server, tool, call_count, success_count, failure_count, avg_latency_ms,
-                       latency_count, last_called_at, last_success_at, last_error, created_at, updated_at)
-                   VALUES (?,?,1,?,?,?,?,?,?,?,?,?)
-                   ON CONFLICT (server, tool) DO UPDATE SET
-                       call_count = cur.call_count + 1,
-                       success_count = cur.success_count + excluded.success_count,
-                       failure_count = cur.failure_count + excluded.failure_count,
-                       avg_latency_ms = CASE WHEN excluded.latency_count = 0 THEN cur.avg_latency_ms
-                           ELSE (coalesce(cur.avg_latency_ms, 0) * cur.latency_count + excluded.avg_latency_ms) / (cur.latency_count + 1) END,
-                       latency_count = cur.latency_count + excluded.latency_count,
-                       last_called_at = greatest(coalesce(cur.last_called_at, excluded.last_called_at), excluded.last_called_at),
-                       last_success_at = CASE WHEN excluded.last_success_at IS NULL THEN cur.last_success_at
-                           ELSE greatest(coalesce(cur.last_success_at, excluded.last_success_at), excluded.last_success_at) END,
-                       last_error = coalesce(excluded.last_error, cur.last_error),
-                       updated_at = excluded.updated_at""",
-                (server, tool, ok, 1 - ok, latency_ms, 0 if latency_ms is None else 1, ts, ts if success else None,
-                 None if success else err, ts, ts),
-            )
-            db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
-            return int(row_id)
-
-        return write
+        return CallRecord(cut(server, caps.name), cut(tool, caps.name), bool(success), latency_ms,
+                          cut(error, caps.error) if error else None, cut(agent, caps.agent), call_id,
+                          self.clock() if ts is None else ts, cut(reporter, caps.name), digest)  # fmt: skip
 
     def record_feedback(self, fb: Feedback, ref: str | None = None, digest: str | None = None) -> int:
-        """`feedback_write`'s row in a transaction of its own; returns its id once committed."""
-        return self.store.write(self.feedback_write(fb, ref, digest), self.write_timeout_s)
+        """`feedback_record`'s row in a transaction of its own; returns its id once committed."""
+        return _or_raise(self.write_many([self.feedback_record(fb, ref, digest)])[0])
 
-    def write_many(self, writes: Sequence[Callable[[Any], int]]) -> list[int | RefReused]:
-        """Several records' writes (`call_write`, `feedback_write`) in one transaction: a
-        server under load commits what arrived meanwhile at once, not one transaction and one
-        thread hand-off each (a 1,000-connection soak queued 53,000 of those faster than they
-        committed). A write whose ref was used for another payload wrote nothing when it
-        raised RefReused: the others go on, and it is returned in its place."""
-
-        def all_of(db) -> list[int | RefReused]:
-            out: list[int | RefReused] = []
-            for write in writes:
-                try:
-                    out.append(write(db))
-                except RefReused as e:
-                    out.append(e)
-            return out
-
-        return self.store.write(all_of, self.write_timeout_s)
-
-    def feedback_write(self, fb: Feedback, ref: str | None = None, digest: str | None = None) -> Callable[[Any], int]:
-        """The write of one feedback row. With `ref` and `digest` (of the client's payload), a
-        resend of the same payload returns the first row's id and a changed one raises
-        RefReused, as for `call_write`."""
+    def feedback_record(self, fb: Feedback, ref: str | None = None, digest: str | None = None) -> FeedbackRecord:
+        """One feedback row for `write_many`. With `ref` and `digest` (of the client's
+        payload), a resend of the same payload answers the first row's id and a changed one
+        RefReused, as for `call_record`."""
         ts = self.clock() if fb.ts is None else fb.ts
         caps = self.caps
         recommended = orjson.dumps([cut(name, caps.name) for name in fb.recommended]).decode()
+        row = (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
+               None if fb.success is None else int(fb.success), fb.latency_ms, cut(fb.agent, caps.agent), cut(fb.variant, caps.name))  # fmt: skip
+        return FeedbackRecord(row, fb.rating is not None, ref, digest, ts)
 
-        def write(db) -> int:
-            if ref is not None and digest is not None and (first := _claim(db, ref, "feedback", digest, ts)) is not None:
-                return first
-            row_id = db.execute(
-                "INSERT INTO feedback (ts, query, recommended, selected, rating, success, latency_ms, agent, variant) VALUES (?,?,?,?,?,?,?,?,?) RETURNING id",
-                (ts, cut(fb.query, caps.query), recommended, cut(fb.selected, caps.name), fb.rating,
-                 None if fb.success is None else int(fb.success), fb.latency_ms, cut(fb.agent, caps.agent),
-                 cut(fb.variant, caps.name)),
-            ).fetchone()[0]
-            if fb.rating is not None:
-                db.execute("UPDATE metrics_state SET value = value + 1 WHERE key='generation'")
-            if ref is not None and digest is not None:
-                _claimed(db, ref, "feedback", row_id)
-            return int(row_id)
-
-        return write
+    def write_many(self, records: Sequence[Record]) -> list[int | RefReused]:
+        """Records (`call_record`, `feedback_record`) in one transaction, committed before
+        returning: each one's row id, or RefReused in the place of one whose ref was used for
+        another payload (it wrote nothing; the others are kept). A few statements whatever the
+        batch's size, so a server under load commits what arrived meanwhile at once (a
+        1,000-connection soak, five statements a record, queued 53,000 records faster than
+        they committed). Waits at most `write_timeout_s` for the write lock."""
+        if not records:
+            return []
+        for _ in range(RACE_RETRIES):
+            try:
+                return self.store.write(lambda db: _write_batch(db, records), self.write_timeout_s)
+            except _Raced:
+                continue
+        raise StoreBusy(f"{len(records)} records not written: other sidecars kept recording the same refs")
 
     def reset(self, server: str | None = None, tool: str | None = None) -> int:
         """Forget the call history of the matching tools (all when neither is given); returns

@@ -36,8 +36,10 @@ def is_busy(e: sqlite3.Error) -> bool:
 
 
 def sqlite_sql(text: str) -> str:
-    """SQLite's scalar max() is the package's greatest() (both given non-NULL values)."""
-    return text.replace("greatest(", "max(")
+    """The package's SQL is PostgreSQL's where the two differ: SQLite's scalar max() is
+    greatest() (both given non-NULL values), json_group_array() json_agg(), json_array()
+    json_build_array()."""
+    return text.replace("greatest(", "max(").replace("json_agg(", "json_group_array(").replace("json_build_array(", "json_array(")
 
 
 class SQLiteStore(Store):
