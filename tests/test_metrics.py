@@ -117,6 +117,34 @@ def test_a_batch_leaves_the_totals_and_ids_one_record_at_a_time_would(tmp_path, 
     assert many.generation() == 1  # one batch, one change
 
 
+def test_recent_calls_counted_ahead_in_buckets_match_the_raw_log(tmp_path, clock):
+    """`recent` reads the calls of whole buckets counted ahead and the first bucket's calls
+    from the raw log: the same counts as the raw log alone for any window, after a reset, and
+    on a store from before the buckets (filled from its raw log when opened)."""
+    import random
+
+    ms = MetricsStore(open_store(tmp_path / "r.db"), clock=clock)
+    rnd = random.Random(7)
+    ms.write_many([ms.call_record("s", f"t{rnd.randrange(3)}", rnd.random() > 0.3, ts=T0 - rnd.uniform(0, 900)) for _ in range(400)]
+                  + [ms.call_record("s", "t0", True, ts=T0 - 160.0), ms.call_record("s", "t1", False, ts=T0 - 176.0)])  # fmt: skip
+
+    def raw(window: float) -> dict:
+        rows = ms.store.query("SELECT server, tool, count(*), sum(success) FROM tool_calls WHERE ts >= ? GROUP BY server, tool", (T0 - window,))
+        return {(s, t): (c, k) for s, t, c, k in rows}
+
+    def counted(m: MetricsStore, window: float) -> dict:
+        return {key: (c.calls, c.successes) for key, c in m.recent(window).items()}
+
+    for window in (1.0, 16.0, 160.0, 176.0, 300.0, 333.3, 10_000.0):
+        assert counted(ms, window) == raw(window), window
+    assert counted(ms, 300.0) != counted(ms, 176.0)  # the windows differ: the test can tell
+    ms.reset(tool="t2")
+    assert counted(ms, 300.0) == raw(300.0) and ("s", "t2") not in counted(ms, 300.0)
+    ms.store.ensure_schema("DROP TABLE tool_calls_recent")
+    again = MetricsStore(open_store(tmp_path / "r.db"), clock=clock)
+    assert counted(again, 300.0) == raw(300.0)
+
+
 def test_a_store_from_before_record_refs_opens_and_keeps_its_rows(ms):
     """The migration: a store written before record_refs existed gains the table when opened
     and keeps its calls; an old call_id resent with a digest still counts once."""
