@@ -197,9 +197,10 @@ def test_context_filters(merged_small, metrics, clock):
     assert any(x.tool.startswith("filesystem__") for x in r.recommend("save a text file", top=10).results)
 
 
-def test_a_sessions_globs_are_matched_once_and_the_metrics_read_once_a_ranking(merged_small, metrics, clock, monkeypatch):
+def test_a_sessions_globs_are_matched_once_and_the_metrics_read_once_a_change(merged_small, metrics, clock, monkeypatch):
     """Issue 33: each tool the globs excluded was explained by matching every glob again and
-    reading the metrics store again, on every ranking (256 long globs held the model thread)."""
+    reading the metrics store again, on every ranking (256 long globs held the model thread).
+    The metrics' facts are read again once something was recorded, or the window moved on."""
     r = Recommender(merged_small, metrics, clock=clock)
     ctx = Context(permissions=Permissions(allow=["git__*"]))
     calls = {"exclusion": 0, "recent": 0}
@@ -220,7 +221,13 @@ def test_a_sessions_globs_are_matched_once_and_the_metrics_read_once_a_ranking(m
     calls.update(exclusion=0, recent=0)
     second = r.recommend("write these notes into a new file", ctx, top=5)
     assert len(second.excluded) >= 3 and set(second.excluded.values()) == {"not allowed for this session"}
-    assert calls == {"exclusion": 0, "recent": 1}
+    assert calls == {"exclusion": 0, "recent": 0}  # nothing recorded since: the facts read for the first ranking
+    metrics.record_call("git", "git_status", True, 5.0)
+    r.recommend("commit these changes", ctx, top=5)
+    assert calls == {"exclusion": 0, "recent": 1}  # a call recorded: read again, once
+    clock.t += 1.0
+    r.recommend("show the latest commits", ctx, top=5)
+    assert calls == {"exclusion": 0, "recent": 2}  # the window moved on: read again
 
 
 def test_a_lesson_swapped_in_is_not_hidden_by_rankings_cached_before_it(merged_small, metrics, clock):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
+import cachetools
 import msgspec
 import numpy as np
 
@@ -123,6 +124,12 @@ class _State:
 
 
 log = logging.getLogger("sidecar.recommend")
+# What the metrics say about availability and rate limits (`_facts`) is read again when the
+# store's generation changed, or after this many seconds of the recommender's clock (the
+# windows move on); per agent, for the FACTS_AGENTS latest. Read once a ranking before: three
+# queries over the window's calls, 40-120 ms beside a busy event loop (bench/metrics_store.py).
+FACTS_TTL_S = 1.0
+FACTS_AGENTS = 1024
 
 
 class Recommender:
@@ -137,6 +144,7 @@ class Recommender:
         self._state: _State | None = None
         self._cache: collections.OrderedDict[tuple, tuple[float, int, object, object, Recommendations]] = collections.OrderedDict()
         self._history: tuple[int, dict] | None = None
+        self._facts_read: cachetools.LRUCache[str | None, tuple[int, float, F.Facts]] = cachetools.LRUCache(FACTS_AGENTS)
         self._lock = threading.Lock()
         self.history_errors = 0  # rankings made on neutral history because the store could not be read
         self._said_down = 0.0
@@ -234,10 +242,11 @@ class Recommender:
         cents = self._centroids(state, ctx.source)
         sims = cents @ cents[pos]
         sims[pos] = -np.inf
-        allowed = self._allowed(state, ctx, self._facts(ctx), exempt_server=failed_server)
+        generation = self._generation()
+        allowed = self._allowed(state, ctx, self._facts(ctx, generation), exempt_server=failed_server)
         sims = np.where(allowed, sims, -np.inf)
         pool = [int(i) for i in np.argsort(-sims, kind="stable")[: max(self.cfg.candidates, max_n)] if np.isfinite(sims[i])]
-        history = self._history_for(None)
+        history = self._history_for(None, generation)
         now = self.clock()
         failed = state.tools[pos]
         as_intent = I.analyze(" ".join(I.words(failed.bare_name)))
@@ -307,7 +316,7 @@ class Recommender:
             base = sem
         else:
             base = share * sem + (1 - share) * lex * max(float(sem.max()), 0.0)
-        facts = self._facts(ctx) if filtered else F.Facts()  # read once a ranking: a store query
+        facts = self._facts(ctx, generation) if filtered else F.Facts()
         static = self._static(state, ctx)[1] if filtered else []  # each tool's reason, if the context's globs or tags exclude it
         allowed = self._allowed(state, ctx, facts) if filtered else np.ones(n, bool)
         k = self.cfg.candidates
@@ -342,7 +351,7 @@ class Recommender:
             relevance = np.full(len(cand), 1.0 if best > 0 else 0.0)
         probability = fit_probability(base, cand, adjusted)
         said = _surface(I.words(query))
-        hist = self._history_for(ctx.agent)
+        hist = self._history_for(ctx.agent, generation)
         histories = [self._tool_history(state, int(i), hist) for i in cand]
         typical = self._typical_popularity(histories, now)
         rows = {}
@@ -435,7 +444,7 @@ class Recommender:
                     state.static_masks.popitem(last=False)
         return found
 
-    def _facts(self, ctx: F.Context) -> F.Facts:
+    def _facts(self, ctx: F.Context, generation: int | None) -> F.Facts:
         """What the metrics say now. A server is failing for everyone once its recent calls
         mostly failed as reported by `availability_min_reporters` distinct connections (or by
         this process's own calls); for the asking agent, once its own recent calls did
@@ -444,7 +453,18 @@ class Recommender:
         weights, 0.40 of the score at the defaults)."""
         if self.metrics is None:
             return F.Facts()
-        return self._fail_open(lambda: self._read_facts(ctx), F.Facts())
+        now = self.clock()
+        with self._lock:
+            kept = self._facts_read.get(ctx.agent)
+        if kept is not None and generation is not None and kept[0] == generation and 0 <= now - kept[1] < FACTS_TTL_S:
+            return kept[2]
+        facts = self._fail_open(lambda: self._read_facts(ctx), None)
+        if facts is None:
+            return F.Facts()
+        if generation is not None:
+            with self._lock:
+                self._facts_read[ctx.agent] = (generation, now, facts)
+        return facts
 
     def _read_facts(self, ctx: F.Context) -> F.Facts:
         cfg = self.cfg
@@ -469,14 +489,15 @@ class Recommender:
 
     # --- history -------------------------------------------------------------------------
 
-    def _history_for(self, agent: str | None) -> dict:
+    def _history_for(self, agent: str | None, generation: int | None) -> dict:
         """Lifetime totals, ratings and the agent's own record, read once per metrics
-        generation (and agent)."""
+        generation (and agent); None: the generation could not be read, so read now."""
         neutral = {"totals": {}, "ratings": {}, "agent": {}}
-        return neutral if self.metrics is None else self._fail_open(lambda: self._read_history(agent), neutral)
+        return neutral if self.metrics is None else self._fail_open(lambda: self._read_history(agent, generation), neutral)
 
-    def _read_history(self, agent: str | None) -> dict:
-        gen = self.metrics.generation()
+    def _read_history(self, agent: str | None, gen: int | None) -> dict:
+        if gen is None:
+            gen = self.metrics.generation()
         with self._lock:
             if self._history is not None and self._history[0] == gen:
                 snap = self._history[1]
