@@ -6,6 +6,8 @@ transaction as each raw call row, so the recommender reads one small table; `too
 the raw log, kept `retention_days` for windowed questions (which agent, how recently, is
 this server failing right now); `tool_metrics_daily` is what the raw log becomes after that.
 Windowed queries read raw and daily together, so a roll-up never changes an answer.
+`tool_calls_recent` counts the raw log's calls ahead in short buckets, for the recent-calls
+question every ranking asks (is this server failing now, this agent over its rate).
 
 `record_call` returns only after its transaction committed: the server may acknowledge a
 `tool_result` as soon as it returns, and a kill -9 afterwards loses nothing (SQLite's WAL, or
