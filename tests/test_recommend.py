@@ -253,6 +253,32 @@ def test_a_lesson_swapped_in_is_not_hidden_by_rankings_cached_before_it(merged_s
         merged_small.learned = None
 
 
+def test_a_cached_ranking_does_not_keep_a_replaced_lesson_alive(merged_small, metrics, clock):
+    """Rankings are cached with the lesson they were ranked under, by weak reference: an entry
+    never asked again held every lesson it saw (a 15 MB matrix each at the default bound), and
+    a soak learning from traffic grew 12 MB a minute. An entry whose lesson died is stale, also
+    once no lesson is in place."""
+    import gc
+    import weakref
+
+    r = Recommender(merged_small, metrics, clock=clock)
+    ask = "keep this paragraph for later"
+    vector = merged_small.embedder.embed([ask], "query").vectors[0]
+    lesson = Learned.of([Example(ask, "notes__create_note", vector, "s")], merged_small.catalog.names())
+    merged_small.learned = lesson
+    try:
+        r.recommend("an ask ranked once under the first lesson")
+        gone = weakref.ref(lesson)
+        merged_small.learned = Learned.of([Example(ask, "notes__create_note", vector, "s")], merged_small.catalog.names())
+        del lesson
+        gc.collect()
+        assert gone() is None  # the cached entry did not keep it
+        merged_small.learned = None
+        assert not r.recommend("an ask ranked once under the first lesson").cached
+    finally:
+        merged_small.learned = None
+
+
 def test_rate_limit_per_agent(merged_small, metrics, clock):
     cfg = RecommendConfig(rate_limit_calls=3, rate_limit_window_s=60)
     r = Recommender(merged_small, metrics, cfg, clock=clock)

@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -142,7 +143,7 @@ class Recommender:
         self.cfg = cfg or RecommendConfig()
         self.clock = clock or (metrics.clock if metrics is not None else time.time)  # one clock with the store
         self._state: _State | None = None
-        self._cache: collections.OrderedDict[tuple, tuple[float, int, object, object, Recommendations]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, tuple[float, int, weakref.ref, weakref.ref | None, Recommendations]] = collections.OrderedDict()
         self._history: tuple[int, dict] | None = None
         self._facts_read: cachetools.LRUCache[str | None, tuple[int, float, F.Facts]] = cachetools.LRUCache(FACTS_AGENTS)
         self._lock = threading.Lock()
@@ -194,7 +195,7 @@ class Recommender:
                 if hit is not None:
                     at, gen, cat, lesson, res = hit
                     # a lesson swapped in from traffic ranks user turns anew: what it replaced is stale
-                    if gen == generation and cat is state.catalog and lesson is self.pipeline.learned and now - at < self.cfg.cache_ttl_s:
+                    if gen == generation and cat() is state.catalog and _same(lesson, self.pipeline.learned) and now - at < self.cfg.cache_ttl_s:
                         self._cache.move_to_end(key)
                         return msgspec.structs.replace(res, cached=True, timing_ms=(time.perf_counter() - t0) * 1000)
                     del self._cache[key]
@@ -203,7 +204,11 @@ class Recommender:
         res.timing_ms = (time.perf_counter() - t0) * 1000
         if weights is None and self.cfg.cache_ttl_s > 0 and generation is not None:  # a blind ranking is not kept
             with self._lock:
-                self._cache[key] = (now, generation, state.catalog, self.pipeline.learned, res)
+                # by weak reference: an entry never asked again must not keep a replaced catalog or
+                # lesson alive (a lesson is its turns' vectors, 15 MB at the default 5,000: a soak
+                # with learning on grew 12 MB a minute, flat with learning off)
+                lesson = self.pipeline.learned
+                self._cache[key] = (now, generation, weakref.ref(state.catalog), None if lesson is None else weakref.ref(lesson), res)
                 while len(self._cache) > self.cfg.cache_size:
                     self._cache.popitem(last=False)
         return res
@@ -673,3 +678,9 @@ def _readable(matched: Sequence[str], query_words: dict[str, str], tool_words: d
         qw = query_words.get(q, q)
         out.append(f"{qw}→{tool_words.get(t, t)}" if t else tool_words.get(q, qw))
     return out
+
+
+def _same(ref: weakref.ref | None, obj: object) -> bool:
+    """Whether a weak reference (None: to nothing) points at `obj`: one that died points at
+    nothing, not at None."""
+    return obj is None if ref is None else obj is not None and ref() is obj
