@@ -61,7 +61,7 @@ def main() -> None:
     texts = [msgspec.json.decode(ln)["text"] for ln in lines[: args.texts]]
     loaded: dict[str, Embedder] = {}
     for v in args.variants.split(","):
-        r = models.resolve(args.model if v == "f16" else f"{args.model}:{v}", progress=False)
+        r = models.resolve(f"{args.model}:{v}", progress=False)  # NAME:f16 is the f16 file; a plain NAME may load bf16
         loaded[v] = Embedder(r.path, name=r.name, identity=r.spec.sha256 or r.name, threads=1, prefixes=r.spec.task_prefixes,
                              max_tokens=r.spec.n_ctx, flash_attn=not args.no_flash_attn)  # fmt: skip
         loaded[v].embed(texts[:8])  # warm up

@@ -86,6 +86,7 @@ CONFIGS = {
                 '[cascade]\nscreen = ""\n',
     "default": "",
     "one-thread": "[model]\nidle_cores = false\n",  # the default before a judgement took idle cores
+    "f16": f'[model]\nname = "{models.DEFAULT_MODEL}:f16"\n',  # the default's f16 file where the default loads bf16
     "minilm": f'[model]\nname = "{models.SMALL_MODEL}"\n',
     "cascade": f'[model]\nname = "{models.DEFAULT_MODEL}"\n[cascade]\nscreen = "{models.SMALL_MODEL}"\n',
 }

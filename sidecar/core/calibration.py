@@ -38,9 +38,13 @@ class Calibration(msgspec.Struct, forbid_unknown_fields=False):
 # corpus and reported on servers it never saw (docs/benchmarks.md, "Held-out servers"). A calibration
 # file replaces it; explicit configuration overrides single thresholds of either.
 def builtin(model: str) -> Calibration | None:
+    """The calibration shipped for `model`, or for the model a variant of it was made from."""
     if model not in _BUILTIN:
         resource = importlib.resources.files(__package__).joinpath("calibrations", f"{model}.json")
-        _BUILTIN[model] = msgspec.json.decode(resource.read_bytes(), type=Calibration) if resource.is_file() else None
+        if resource.is_file():
+            _BUILTIN[model] = msgspec.json.decode(resource.read_bytes(), type=Calibration)
+        else:
+            _BUILTIN[model] = builtin(base) if (base := models.base_name(model)) != model else None
     return _BUILTIN[model]
 
 
@@ -54,10 +58,12 @@ def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration |
     """The calibration that applies to `model` and where it came from. A file fitted on
     another model is refused: its numbers are on another model's scale. A quantised variant
     (NAME:q8_0) takes its base model's, unless given one fitted on the variant itself (its
-    scores shift a little: docs/benchmarks.md, "Quantised models")."""
+    scores shift a little: docs/benchmarks.md, "Quantised models"); one fitted on NAME:bf16
+    applies to NAME:f16 and back (the same weights to bfloat16's precision), so a tune on a
+    machine whose plain NAME loads bf16 serves on one where it loads f16."""
     base = models.base_name(model)
     if calibration is not None:
-        if calibration.model not in (model, base):
+        if calibration.model not in (model, base) and not models.same_weights(calibration.model, model):
             raise CalibrationError(
                 f"calibration was fitted on {calibration.model!r}, not on the model in use {model!r}: "
                 "run `sidecar tune` for this model"

@@ -23,6 +23,7 @@ download dir are removed and a one-line ProvisioningError is raised.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import pathlib
@@ -88,12 +89,40 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 }
 
 
-# Quantised variants and llama.cpp's file types for them. `sidecar model pull NAME` writes
-# PULLED_QUANTS; any variant is quantised when first named (`sidecar model pull NAME:QUANT`,
-# or `[model] name = "NAME:QUANT"` with pull on).
-QUANTS: dict[str, int] = {"q8_0": 7, "q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_K_M
+# Variants and llama.cpp's file types for them. `sidecar model pull NAME` writes
+# pulled_quants(); any variant is written when first named (`sidecar model pull NAME:QUANT`,
+# or `[model] name = "NAME:QUANT"` with pull on). bf16 is the f16 weights rounded to bfloat16,
+# no quantisation to speak of: where the CPU has bf16 dot products it is what a plain NAME
+# loads (preferred_variant).
+QUANTS: dict[str, int] = {"bf16": 32, "q8_0": 7, "q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_BF16, _Q8_0, _Q4_K_M
 PULLED_QUANTS: tuple[str, ...] = ("q8_0",)
 VARIANTS = ("f16", *QUANTS)
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this llama.cpp build multiplies bf16 weights with the CPU's own bf16 dot
+    products (x86 AVX512_BF16, compiled in and present). There the bf16 copy of an f16 model
+    embeds 1.25x (a short text) to 1.6x (catalog texts) faster on one thread, its vectors
+    within cosine 0.99997 of f16's (docs/benchmarks.md, "Quantised models"); elsewhere ggml
+    widens bf16 to f32 on the fly and f16 stays the faster file."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    return re.search(r"\bAVX512_BF16 = 1\b", info) is not None
+
+
+def preferred_variant() -> str:
+    """The variant a plain known name (no `:QUANT`) loads on this machine: 'bf16' where
+    native_bf16(), else 'f16'. `NAME:f16` always loads the f16 file."""
+    return "bf16" if native_bf16() else "f16"
+
+
+def pulled_quants() -> tuple[str, ...]:
+    """The variants `sidecar model pull NAME` writes beside the f16 file: PULLED_QUANTS and,
+    where it is what NAME loads, the preferred one."""
+    preferred = preferred_variant()
+    return PULLED_QUANTS if preferred == "f16" else (preferred, *PULLED_QUANTS)
 
 
 class QuantRecord(msgspec.Struct, frozen=True):
@@ -142,6 +171,13 @@ def base_name(name: str) -> str:
     """The model a variant was quantised from (a calibration of it applies to the variant)."""
     base, quant = split(name)
     return base if base in KNOWN_MODELS and quant in VARIANTS else name
+
+
+def same_weights(a: str, b: str) -> bool:
+    """Whether two names are one known model's weights as shipped or as bfloat16 (`NAME`,
+    `NAME:f16`, `NAME:bf16`): whatever was fitted on one holds for the other."""
+    (base_a, quant_a), (base_b, quant_b) = split(a), split(b)
+    return base_a == base_b and base_a in KNOWN_MODELS and {quant_a, quant_b} <= {"f16", "bf16"}
 
 
 def check_name(name: str) -> None:
@@ -286,7 +322,7 @@ def _pull_variant(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> P
         partial = dest / f".{spec.filename}.partial"
         rec_partial = dest / f".{spec.filename}.json.partial"
         try:
-            _say(progress, f"quantising {base.name} to {spec.quant.upper()}")
+            _say(progress, f"{'converting' if spec.quant == 'bf16' else 'quantising'} {base.name} to {spec.quant.upper()}")
             quantize(src, partial, spec.quant)
             with open(partial, "rb") as f:
                 if f.read(4) != b"GGUF":
@@ -384,7 +420,15 @@ def resolve(
     name_or_path: str, *, dest: str | os.PathLike | None = None, auto_pull: bool = True, progress: bool = True
 ) -> ResolvedModel:
     """A known model name, NAME:QUANT for a quantised variant (pulled or quantised if missing
-    and `auto_pull`), or a path to a .gguf file."""
+    and `auto_pull`), or a path to a .gguf file. A plain known name loads its preferred variant
+    (bf16 where the CPU computes it natively: the same model, so it keeps the plain name, and
+    the variant's spec and sha256 keep its cached vectors apart); without `auto_pull`, the f16
+    file when that variant was never written."""
+    if name_or_path in KNOWN_MODELS and (quant := preferred_variant()) != "f16":
+        variant = f"{name_or_path}:{quant}"
+        if auto_pull or (_dir(dest) / _spec(variant).filename).exists():
+            resolved = resolve(variant, dest=dest, auto_pull=auto_pull, progress=progress)
+            return msgspec.structs.replace(resolved, name=name_or_path)
     if split(name_or_path)[0] in KNOWN_MODELS:
         spec = _spec(name_or_path)
         path = _dir(dest) / spec.filename
