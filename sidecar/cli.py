@@ -587,8 +587,8 @@ def cmd_cases_show(args: argparse.Namespace) -> int:
 
 def cmd_model_pull(args: argparse.Namespace) -> int:
     names = list(models.KNOWN_MODELS) if args.name == "all" else [args.name]
+    quants = models.pulled_quants()
     for name in names:
-        quants = models.pulled_quants()
         path = models.pull(name, dest=args.dir or config_mod.load().model.dir, progress=True, force=args.force, quants=quants)
         print(f"{name}: {path}")
         if ":" not in name:

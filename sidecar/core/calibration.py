@@ -69,7 +69,7 @@ def in_force(model: str, calibration: Calibration | None) -> tuple[Calibration |
                 "run `sidecar tune` for this model"
             )
         return calibration, "calibration"
-    if (cal := builtin(model) or builtin(base)) is not None:
+    if (cal := builtin(model)) is not None:  # a variant's is its base model's
         return cal, "builtin"
     return None, "uncalibrated"
 

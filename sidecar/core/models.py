@@ -105,7 +105,7 @@ def native_bf16() -> bool:
     """Whether this llama.cpp build multiplies bf16 weights with the CPU's own bf16 dot
     products (x86 AVX512_BF16, compiled in and present). There the bf16 copy of an f16 model
     embeds 1.25x (a short text) to 1.6x (catalog texts) faster on one thread, its vectors
-    within cosine 0.99997 of f16's (docs/benchmarks.md, "Quantised models"); elsewhere ggml
+    within cosine 0.99995 of f16's (docs/benchmarks.md, "Quantised models"); elsewhere ggml
     widens bf16 to f32 on the fly and f16 stays the faster file."""
     import llama_cpp
 
