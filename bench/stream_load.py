@@ -22,6 +22,8 @@ replies word by word at R tokens/s for `--duration` seconds, and measures:
   100% = one core);
 - evaluations dropped under load (`stale` and `overflow`; `superseded` spans are counted
   apart: their newer span, which contains them, is judged);
+- the decisions that waited for the model (`modelled`: not settled by a pattern; a reply's
+  clause that commits to nothing is decided as it is cut) and their own p99 (`model p99`);
 - the work it skipped: query cache hits and spans of growing clauses not judged again;
 - throughput: spans judged (every decision, settled or not) per CPU-second of the server, and
   the share of the screened texts the cascade's screen settled.
@@ -161,6 +163,7 @@ class Run:
 
     def __init__(self) -> None:
         self.client_ms: list[float] = []  # boundary-completing token sent -> decision received
+        self.model_ms: list[float] = []  # the same, of the decisions a pattern did not settle (they waited for the model)
         self.server_ms: list[float] = []  # the decision's own latency_ms
         self.lag_ms: list[float] = []  # how late each token was sent against the schedule
         self.decisions = 0
@@ -204,6 +207,8 @@ async def one_stream(url: str, idx: int, work: Workload, rate: float, t0: float,
                     text, starts, times = sent[msg.stream]
                     k = bisect.bisect_right(starts, boundary_char(text, msg.end)) - 1
                     run.client_ms.append((now - times[k]) * 1000)
+                    if not msg.path.startswith("negative:"):
+                        run.model_ms.append(run.client_ms[-1])
                     run.server_ms.append(msg.latency_ms)
             if done.is_set() and isinstance(msg, p.Pong):
                 return
@@ -296,6 +301,8 @@ class Summary:
         self.decisions = med(r.decisions for r in runs)
         self.lag_p99 = med(pct(r.lag_ms, 99) for r in runs)
         self.p99s = [pct(r.client_ms, 99) for r in runs]
+        self.model_p99 = med(pct(r.model_ms, 99) for r in runs)
+        self.model_share = med(len(r.model_ms) / len(r.client_ms) if r.client_ms else math.nan for r in runs)
         judged = sum(r.hits + r.misses for r in runs)
         self.cache_hit_rate = sum(r.hits for r in runs) / judged if judged else 0.0
         self.unchanged = med(r.unchanged for r in runs)
@@ -312,7 +319,7 @@ class Summary:
         return (f"{self.n:>5} {self.p50:>8.1f} {self.p99:>8.1f} {self.srv_p50:>8.1f} {self.srv_p99:>8.1f} "
                 f"{self.cpu * 100:>6.0f}% {self.dropped:>7.0f} {self.superseded:>6.0f} {self.decisions:>9.0f} "
                 f"{self.cache_hit_rate:>6.1%} {self.unchanged:>9.0f} {self.lag_p99:>8.1f} {self.judged_per_cpu_s:>12.1f} "
-                f"{'-' if self.settled_share is None else format(self.settled_share, '.1%'):>7}   {p99s}")  # fmt: skip
+                f"{'-' if self.settled_share is None else format(self.settled_share, '.1%'):>7} {self.model_share:>8.1%} {self.model_p99:>9.1f}   {p99s}")  # fmt: skip
 
     def json(self) -> dict:
         r = _ms
@@ -321,7 +328,8 @@ class Summary:
                 "superseded": self.superseded, "decisions": self.decisions, "tokens": self.tokens,
                 "cache_hit_rate": round(self.cache_hit_rate, 4), "spans_unchanged": self.unchanged,
                 "lag_p99_ms": r(self.lag_p99), "judged_per_cpu_s": r(self.judged_per_cpu_s),
-                "settled_share": None if self.settled_share is None else round(self.settled_share, 4)}  # fmt: skip
+                "settled_share": None if self.settled_share is None else round(self.settled_share, 4),
+                "model_share": None if math.isnan(self.model_share) else round(self.model_share, 4), "model_p99_ms": r(self.model_p99)}  # fmt: skip
 
 
 def _ms(x: float) -> float | None:
@@ -334,7 +342,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 HEADER = (f"{'N':>5} {'p50 ms':>8} {'p99 ms':>8} {'srv p50':>8} {'srv p99':>8} {'cpu':>7} {'dropped':>7} {'supers':>6} "
-          f"{'decisions':>9} {'cache':>6} {'unchanged':>9} {'lag p99':>8} {'judged/cpu-s':>12} {'settled':>7}   p99 per run")  # fmt: skip
+          f"{'decisions':>9} {'cache':>6} {'unchanged':>9} {'lag p99':>8} {'judged/cpu-s':>12} {'settled':>7} {'modelled':>8} {'model p99':>9}   p99 per run")  # fmt: skip
 
 
 async def measure(url: str, n: int, work: Workload, args, token: str | None) -> Summary:

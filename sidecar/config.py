@@ -200,6 +200,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # judged waits about this, not max_batch_ms (issue 33). A lone stream, and connections
     # all light or all busy, keep the big batches.
     shared_batch_ms: float = 15.0
+    # A span the patterns block (a reply's clause that commits to no action: most of a
+    # stream's) is decided on the event loop as it is cut, when each pattern set's searches
+    # take at most settle_ms of CPU time; it waits for no batch of embeddings on the model
+    # thread. A text that takes longer (or 0: every span) is judged there as before.
+    settle_ms: float = 2.0
     # hello.tools may define at most this many new tools. "beside": they are embedded on a
     # second context of the model (its own threads, loaded at the first such hello), beside the
     # judging, so no session's span waits behind another's catalog; "between": on the model
@@ -245,6 +250,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"server.context_tools={self.context_tools} must be within 0..10000 (0: no bound)")
         if self.max_turn_chars < 64:
             raise ValueError(f"server.max_turn_chars={self.max_turn_chars} must be at least 64")
+        if not 0 <= self.settle_ms <= 50:
+            raise ValueError(f"server.settle_ms={self.settle_ms} must be within 0..50 (CPU milliseconds of the event loop a span; 0: off)")
         if self.max_stream_chars < 16:
             raise ValueError(f"server.max_stream_chars={self.max_stream_chars} must be at least 16")
         if not 0.0 <= self.inject_margin <= 1.0:

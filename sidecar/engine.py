@@ -151,6 +151,13 @@ class Sidecar:
         self.cascade_stats.passed += len(asked) - settled
         return Detected(decisions, vectors, views)  # type: ignore[arg-type]
 
+    def settle(self, request: Request, within: float) -> Judgement | None:
+        """The judgement of a text the patterns block, when they say so within `within`
+        seconds of CPU time (`Pipeline.settle`); None: it waits for `judge`. What `judge` would
+        say of it: blocked, it has no vector, no ranking and no asks that could join an inject."""
+        decision = self.pipeline.settle(request, within)
+        return None if decision is None else Judgement(decision)
+
     def judge(self, requests: Sequence[Request], contexts: Sequence[Context] | None = None, top: int | None = None,
               rank_silent: bool = False) -> list[Judgement]:  # fmt: skip
         """Gate every request and each ask of a user turn of several (`asks.split`) in one

@@ -194,6 +194,24 @@ def test_a_timeout_on_a_negative_pattern_blocks_and_is_counted_and_logged_once(c
 
 
 
+def test_a_search_given_little_time_is_unsettled_not_counted_and_the_full_budget_still_decides():
+    """What the event loop asks (`within`): a slow text is left to the model thread, whose
+    searches have the whole budget, so a text is never blocked for the loop's haste."""
+    evil, _ = parse("evil (a|aa)+$\n", "neg.txt")
+    high, _ = parse("please \\bplease\\b\n", "high.txt")
+    neg = PatternSet(evil, timeout_s=0.005, name="negative", fail_closed=True)
+    both = patterns.GatePatterns(neg, PatternSet(high, name="high"))
+    slow = "please do it " + "a" * 40 + "b"
+    t0 = time.process_time()
+    with pytest.raises(patterns.Unsettled):
+        gate.route(slow, "user", both, within=0.001)
+    assert time.process_time() - t0 < 0.1 and neg.timeouts == 0  # cut off near its 1 ms, and not counted
+    assert gate.route(slow, "user", both).path == "negative:evil" and neg.timeouts == 1  # the full budget: fails closed
+    quick = gate.route("please do it", "llm", both, replies_commit=True, within=0.001)
+    assert quick.path.startswith("high:please")
+    assert gate.route("It is sunny.", "llm", both, replies_commit=True, within=0.001) is gate.UNCOMMITTED
+
+
 @contextlib.contextmanager
 def busy_threads(n: int = 3):
     """`n` threads of this process hashing (hashlib lets go of the GIL): real CPU work that

@@ -32,7 +32,7 @@ from sidecar import protocol as p
 from sidecar.client import SidecarClient, SidecarError, tokens
 from sidecar.config import Config, ServerConfig
 from sidecar.recommend import Context
-from sidecar.serve.server import EVICT_SILENT_S, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
+from sidecar.serve.server import EVICT_SILENT_S, SERVER_SETTLE_BURST, SETTLE_BURST, TOKEN_SLICE_CHARS, ReadBudget, SidecarServer
 from sidecar.store import open_store
 from sidecar.core.stream import Segmenter
 
@@ -168,7 +168,7 @@ def test_a_reply_streamed_character_by_character_gets_its_inject_before_end(pipe
             assert inj.latency_ms >= 0
             await sc.end("r1")
             await sc.ping()
-            assert isinstance(await sc.recv(WAIT_S), (p.Pong, p.Inject))
+            assert isinstance(await sc.recv(WAIT_S), (p.Pong, p.Inject, p.Ended))  # the rest, blocked, needs no model: `ended` may come first
 
     run(body())
 
@@ -329,12 +329,55 @@ def test_ended_comes_after_every_decision_of_its_stream_even_when_they_are_dropp
             await sc.end("u")  # a user turn's stream ends too
             msgs = await until(sc, lambda m: isinstance(m, p.Ended))
             assert [type(m) for m in msgs][-2:] == [p.DecisionReport, p.Ended] and msgs[-1].stream == "u"
-        async with serving(small, stale_ms=0.001) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
-            await sc.token("r", clauses)
+        async with serving(small, stale_ms=0.001, settle_ms=0) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
+            await sc.token("r", clauses)  # settle_ms=0: even the blocked clauses wait for the model thread
             await sc.end("r")
             msgs = await until(sc, lambda m: isinstance(m, p.Ended))
             assert not any(isinstance(m, p.DecisionReport) for m in msgs)  # all stale: dropped, counted ...
             assert srv.pending.dropped["stale"] == 6  # ... and the marker was not
+
+    run(body())
+
+
+def test_a_flood_of_blocked_clauses_is_settled_only_up_to_its_budget_and_the_rest_queues(small):
+    """One frame of 200 clauses that commit to nothing: a connection's burst of them (and what
+    its bucket refills meanwhile) is decided on the event loop, the rest wait for the model
+    thread as before (so the loop's share is bounded), and every one is decided."""
+    clauses = " ".join(f"Clause number {i} is here." for i in range(200)) + " "
+
+    async def body():
+        async with serving(small) as srv, await SidecarClient.connect(srv.url, session="flood", decisions=True) as sc:
+            await sc.token("r", clauses)
+            await sc.end("r")
+            msgs = await until(sc, lambda m: isinstance(m, p.Ended), limit=400)
+            return [m for m in msgs if isinstance(m, p.DecisionReport)], srv.metrics.registry.get_sample_value("sidecar_batch_size_sum")
+
+    reports, on_the_model_thread = run(body())
+    assert len(reports) == 200 and all(d.path == "negative:uncommitted" for d in reports)
+    assert SETTLE_BURST <= 200 - on_the_model_thread <= SERVER_SETTLE_BURST + 10  # a burst settled, and what refilled meanwhile
+
+
+def test_a_blocked_span_is_decided_without_waiting_for_the_model(small):
+    """A reply's clauses that commit to nothing are decided on the event loop as they are cut:
+    with a stale bar no span can meet, they are still answered (alike with and without the
+    lane), while the clause that commits to a search waits for the model and is dropped."""
+    reply = "Clause number one is here. " + SEARCH + " Clause number two is here. "
+
+    async def decisions(**limits) -> tuple[list[p.DecisionReport], dict]:
+        async with serving(small, **limits) as srv, await SidecarClient.connect(srv.url, session="lane", decisions=True) as sc:
+            await sc.token("r", reply)
+            await sc.end("r")
+            msgs = await until(sc, lambda m: isinstance(m, p.Ended))
+            return [m for m in msgs if isinstance(m, p.DecisionReport)], dict(srv.pending.dropped)
+
+    async def body():
+        fast, dropped = await decisions(stale_ms=0.001)
+        assert [d.path for d in fast] == ["negative:uncommitted"] * 2 and not any(d.fired for d in fast)
+        assert dropped["stale"] == 1  # the search clause: it needed the model
+        slow, dropped = await decisions(settle_ms=0)
+        assert dropped["stale"] == 0 and len(slow) == 3
+        assert [(d.start, d.end, d.path) for d in slow if d.path == "negative:uncommitted"] == [(d.start, d.end, d.path) for d in fast]
+        assert any(d.fired and d.path.startswith("high:") for d in slow)
 
     run(body())
 
@@ -488,12 +531,12 @@ def test_overload_drops_are_counted_and_frames_are_still_read(small):
     clauses = " ".join(f"Clause number {i} is here." for i in range(6)) + " "
 
     async def body():
-        async with serving(small, max_pending=2) as srv, await SidecarClient.connect(srv.url, session="o", decisions=True) as sc:
+        async with serving(small, max_pending=2, settle_ms=0) as srv, await SidecarClient.connect(srv.url, session="o", decisions=True) as sc:
             await sc.token("r", clauses)  # six spans queued at once, room for two
             got = await decisions(sc, 2)
             assert srv.pending.dropped["overflow"] == 4
             assert [m.text for m in got if isinstance(m, p.DecisionReport)] == ["Clause number 4 is here", "Clause number 5 is here"]
-        async with serving(small, stale_ms=0.001) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
+        async with serving(small, stale_ms=0.001, settle_ms=0) as srv, await SidecarClient.connect(srv.url, session="s", decisions=True) as sc:
             await sc.token("r", clauses)
             await sc.ping()  # never stop reading frames
             assert isinstance(await sc.recv(WAIT_S), p.Pong)
@@ -516,7 +559,7 @@ def test_overload_sheds_whole_streams_and_counts_every_span(small):
     text = " ".join(f"Clause {i} of the flood is right here." for i in range(12)) + " "
 
     async def body():
-        async with serving(small, shed_ms=300.0) as srv, \
+        async with serving(small, shed_ms=300.0, settle_ms=0) as srv, \
                 await SidecarClient.connect(srv.url, session="flood", decisions=True) as sc, \
                 await SidecarClient.connect(srv.url, session="quiet", decisions=True) as quiet:  # fmt: skip
             await sc.user("warm", "hello there")  # the first batch measures the model's cost
@@ -959,7 +1002,7 @@ def test_one_frame_of_tiny_clauses_waits_for_its_quota_between_slices(small):
     quota = 3 * TOKEN_SLICE_CHARS // 4 + 8
 
     async def body():
-        async with serving(small, max_queued_per_connection=quota, max_pending=100_000, shed_ms=1e6, stale_ms=1e6) as srv, \
+        async with serving(small, max_queued_per_connection=quota, max_pending=100_000, shed_ms=1e6, stale_ms=1e6, settle_ms=0) as srv, \
                 await SidecarClient.connect(srv.url, session="flood") as sc:  # fmt: skip
             most = 0
             await sc.token("t", "abc\n" * 20_000)
@@ -1283,6 +1326,9 @@ def test_a_read_budget_spends_and_refills():
     assert budget.charge(1000, 0.0) == pytest.approx(0.5)  # 500 over: half a second at 1,000 a second
     assert budget.charge(0, 0.5) == 0  # refilled to zero by then
     assert budget.charge(0, 100.0) == 0 and budget.left == 2000  # never more than the burst
+    settling = ReadBudget(rate=10, burst=2, now=0.0)
+    assert [settling.take(1, 0.0) for _ in range(3)] == [True, True, False]  # the burst, then nothing is spent
+    assert settling.take(1, 0.05) is False and settling.take(1, 0.1) is True  # one more every 0.1 s
 
 
 def test_a_connection_past_its_read_budget_waits_while_others_are_served(small):

@@ -163,7 +163,7 @@ UNCOMMITTED = Route("negative:uncommitted")  # a reply that commits to no action
 
 
 def route(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool = False,
-          replies_commit: bool = False) -> Route:  # fmt: skip
+          replies_commit: bool = False, within: float | None = None) -> Route:  # fmt: skip
     """`weigh_negatives`: a negative match does not block; the text takes the fallback path and
     the gate head, which has the match as a feature, decides (a fitted head weighs "the Delete
     button" in "let me click the Delete button" better than a rule that blocks it).
@@ -172,16 +172,19 @@ def route(text: str, source: str, patterns: GatePatterns, weigh_negatives: bool 
     high-confidence pattern: "let me check", "I'll retrieve", "searching the ..."). A reply
     is mostly about the work: questions to the user, results, summaries, all in the words
     of the catalog; on real agent replies (tau-bench airline) the ones on no pattern's path
-    fired for 1 right tool in 90, and no threshold on the gate's probability told them apart."""
+    fired for 1 right tool in 90, and no threshold on the gate's probability told them apart.
+
+    `within`: each pattern set's searches finish within this many seconds of CPU time, else
+    `patterns.Unsettled` (`Pipeline.settle`)."""
     uncommitted = replies_commit and source == "llm"
-    neg = patterns.negative.first(text, source)
+    neg = patterns.negative.first(text, source, within)
     if neg:
         if neg.timed_out or not weigh_negatives:  # a search that ran out of time still fails closed
             return Route(f"negative:{neg.id}", neg)
-        if uncommitted and not patterns.high.first(text, source):
+        if uncommitted and not patterns.high.first(text, source, within):
             return UNCOMMITTED
         return Route(f"fallback:negative:{neg.id}")
-    high = patterns.high.first(text, source)
+    high = patterns.high.first(text, source, within)
     if high:
         return Route(f"high:{high.id}", high)
     return UNCOMMITTED if uncommitted else Route("fallback")

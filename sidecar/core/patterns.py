@@ -102,10 +102,15 @@ class PatternSet:
         proportion to the text, so the budget does too, up to a bound."""
         return self.timeout_s * min(max(1.0, chars / BUDGET_CHARS), MAX_BUDGET_FACTOR)
 
-    def first(self, text: str, source: str) -> Match | None:
-        """The first pattern (file order) matching `text` (its head, with `max_chars`), or None."""
+    def first(self, text: str, source: str, within: float | None = None) -> Match | None:
+        """The first pattern (file order) matching `text` (its head, with `max_chars`), or None.
+        `within`: all the searches within this many seconds of process CPU time, else
+        `Unsettled`, nothing counted (a caller that must not wait on a slow text, such as the
+        event loop, leaves it to one that may)."""
         if self.max_chars is not None:
             text = text[:self.max_chars]
+        if within is not None:
+            return self._first_within(text, source, within)
         budget = self.budget_s(len(text))
         cpu = time.thread_time()  # once a text: the clock is a system call (~70 us in a VM), a search of a short text ~5 us
         for p in self.patterns:
@@ -118,6 +123,22 @@ class PatternSet:
                 if self.fail_closed:
                     return Match(p.id, "", 0, 0, timed_out=True)
                 continue
+            if m:
+                return Match(p.id, m.group(0), m.start(), m.end())
+        return None
+
+    def _first_within(self, text: str, source: str, within: float) -> Match | None:
+        deadline = time.process_time() + within  # regex's timeout runs on the process's CPU clock too
+        for p in self.patterns:
+            if source not in p.sources:
+                continue
+            left = deadline - time.process_time()
+            if left <= 0:
+                raise Unsettled(self.name)
+            try:
+                m = p.regex.search(text, timeout=left)
+            except TimeoutError:
+                raise Unsettled(self.name) from None
             if m:
                 return Match(p.id, m.group(0), m.start(), m.end())
         return None
@@ -149,6 +170,11 @@ class PatternSet:
             log.warning("%s pattern %r (%s) was cut off at %.0f ms on a %d-char text: %s; "
                         "further timeouts of it are only counted (sidecar_regex_timeouts_total)",
                         self.name, p.id, p.origin, budget * 1000, chars, verdict)  # fmt: skip
+
+
+class Unsettled(Exception):
+    """A pattern set's searches did not finish within the time they were given (`first`'s
+    `within`): what the text matches is not known yet."""
 
 
 class _CutOff(TimeoutError):

@@ -35,7 +35,7 @@ from .gate import Candidate, Decision, Request, Route, Thresholds, Timing, decid
 from .index import MIN_OWN_CASES, ToolIndex, one_blas_thread, stored_tools
 from ..learn.learned import GATE_SCALARS, RANK_FEATURES, Examples, GateHead, Known, Ranker, adapt, classifier_view, gate_features, logit, neighbourhood, rank_features
 from .lexical import LexicalIndex
-from .patterns import GatePatterns
+from .patterns import GatePatterns, Unsettled
 from ..learn.selffit import OwnFit, own_fit
 from ..store import Store, open_store
 from ..learn.traffic import Learned
@@ -299,6 +299,23 @@ class Pipeline:
     def detect(self, text: str, source: str = "user") -> Decision:
         return self.detect_batch([Request(text, source)]).decisions[0]
 
+    def settle(self, request: Request, within: float) -> Decision | None:
+        """The decision on a text the patterns block, found within `within` seconds of CPU
+        time a pattern set; None when it needs the model (or the patterns took longer: the model
+        thread, whose searches have the full budget, decides it). A reply's clause that commits
+        to nothing is most of a stream's spans, and judged here it waits for no batch of
+        embeddings (`detect_batch` decides it alike)."""
+        t0 = time.perf_counter()
+        try:
+            r = self.route(request, within)
+        except Unsettled:
+            return None
+        if not r.blocked:
+            return None
+        timing = Timing(regex=(time.perf_counter() - t0) * 1000)
+        timing.total = timing.regex
+        return decide(request.text, request.source, r, [], self._thresholds(request.source), timing)
+
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
         if not requests:
             return Detected([], [])
@@ -383,12 +400,12 @@ class Pipeline:
         """What a user turn on no pattern's path must reach to fire."""
         return self.thresholds_in_force[0].fallback
 
-    def route(self, request: Request) -> Route:
+    def route(self, request: Request, within: float | None = None) -> Route:
         """What the patterns say of a text. A negative match blocks, unless the gate head was
         fitted with it as a feature: then the head weighs it."""
         if request.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {request.source!r}")
-        return route(request.text, request.source, self.patterns, self._weigh_negatives, self.replies_commit)
+        return route(request.text, request.source, self.patterns, self._weigh_negatives, self.replies_commit, within)
 
     def confidence(self, requests: Sequence[Request], vectors: np.ndarray, views: Sequence[Views], routes) -> list[float | None]:
         """The gate head's probability that each text needs a tool (None without a head)."""

@@ -106,6 +106,18 @@ class Pending:
             self._forget(gone)
             self.dropped["overflow"] += 1
 
+    def supersede(self, ev: Any) -> None:
+        """`ev` was decided without waiting: a pending span with its key is dropped
+        (superseded), as `put` would have replaced it."""
+        items = self._groups.get(_group(ev))
+        old = items.pop(ev.key, None) if items is not None else None
+        if old is None:
+            return
+        self.dropped["superseded"] += 1
+        self._forget(old)
+        if not items:
+            del self._groups[_group(ev)]
+
     def take(self, now: float, limit: int | None = None, budget: float | None = None,
              cost: Callable[[Any], float] | None = None, one_round: bool = False) -> list[Any]:  # fmt: skip
         """Up to `limit` fresh evaluations (all when None), one per connection in turn, each

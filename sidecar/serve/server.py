@@ -74,6 +74,7 @@ from .session import (
     inject_for,
     judge,
     session_catalog,
+    settle,
 )
 from ..store import Store
 from .telemetry import Metrics, freeze_loaded_heap, limit_blas_threads, pin_mmap_threshold
@@ -88,6 +89,13 @@ log = logging.getLogger("sidecar.server")
 # 1,024, about 10 ms a slice (256 clauses of 34 us each, most of it their words' tokenizing),
 # which made the victim's pings 9x their idle p99; 256 take about 2.5 ms.
 TOKEN_SLICE_CHARS = 256
+# Spans decided on the event loop (`settle_ms`; ~0.1-0.2 ms each, the negative patterns most of
+# it): at most this many a second on average and this many at once, a connection's and the
+# server's. A real stream cuts ~5 a second (50 tokens/s). Past them a span waits for the model
+# thread as any other, under its connection's quota: a flood of tiny clauses settled without a
+# bound held the loop in 10 ms stretches (victim's ping p99 22 ms against 5, bench/attacks.py).
+SETTLE_SPANS_PER_S, SETTLE_BURST = 200.0, 16.0
+SERVER_SETTLE_SPANS_PER_S, SERVER_SETTLE_BURST = 800.0, 32.0
 COST_OVERHEAD_CHARS = 32  # a span's fixed cost in the batch estimate, in characters
 COST_EWMA = 0.3  # how fast the measured cost per character follows the model
 SHARED_WINDOW_S = 1.0  # a connection answered this recently still shares the model (shared_batch_ms)
@@ -110,6 +118,13 @@ class ReadBudget:
         self.left = min(self.burst, self.left + (now - self.at) * self.rate) - chars
         self.at = now
         return 0.0 if self.left >= 0 else -self.left / self.rate
+
+    def take(self, n: float, now: float) -> bool:
+        """Spend `n` if the bucket holds it (True), else spend nothing (False)."""
+        left = min(self.burst, self.left + (now - self.at) * self.rate)
+        self.at = now
+        self.left = left - n if left >= n else left
+        return left >= n
 
 
 class Silent:
@@ -174,6 +189,9 @@ class Connection:
         self.lost = False  # the connection closed (frames still buffered are not worked through)
         self.opened = time.monotonic()
         self.budget = ReadBudget(limits.read_chars_per_s, 2 * limits.max_frame_bytes, self.opened)
+        # spans decided on the event loop (`settle`); past the bucket they queue like any other,
+        # under the connection's quota, so a frame of 200,000 tiny clauses costs the loop little
+        self.settling = ReadBudget(SETTLE_SPANS_PER_S, SETTLE_BURST, self.opened)
         self.held_until = self.opened  # not read before (spans of its were shed: `hold`)
         self.evicted = False  # closed to make room for a newcomer while it had not said hello
         self.address = peer(ws)  # what the per-address limits count it under
@@ -326,6 +344,7 @@ class SidecarServer:
         self._ending: OrderedDict[tuple[Session, str], int] = OrderedDict()
         self._backlogged: set[Connection] = set()  # connections with work in `pending` / `_ending`
         self._cost_per_char: float | None = None  # the model's measured seconds per character of a batch
+        self._settling = ReadBudget(SERVER_SETTLE_SPANS_PER_S, SERVER_SETTLE_BURST, time.monotonic())  # spans settled on the event loop, all connections'
         self._evicting = 0  # silent connections closed to make room, not yet gone
         self._silent = Silent()  # connections with no hello yet, oldest first (eviction's candidates)
         self._answered: OrderedDict[Session, float] = OrderedDict()  # connection -> when its last span was taken, oldest first
@@ -655,11 +674,21 @@ class SidecarServer:
     # Evaluation -----------------------------------------------------------------------
 
     def _queue(self, conn: Connection, evaluations: list[Evaluation]) -> None:
+        """Decide the spans the patterns block at once (`settle`), queue the rest."""
         if self.closing or not evaluations:
             return
+        within = self.limits.settle_ms / 1000
+        queued, now = 0, time.monotonic()
         for ev in evaluations:
-            self.pending.put(ev)
-        self._owe(conn, len(evaluations))
+            verdict = settle(ev, within) if within and conn.settling.take(1, now) and self._settling.take(1, now) else None
+            if verdict is None:
+                self.pending.put(ev)
+                queued += 1
+            else:
+                self.pending.supersede(ev)  # an older span of its clause, still waiting, would say less
+                self._deliver(verdict)
+        if queued:
+            self._owe(conn, queued)
 
     def _end(self, conn: Connection, stream: str) -> None:
         """An `ended` is owed once the spans queued before this `end` are delivered."""

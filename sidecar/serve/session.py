@@ -277,6 +277,14 @@ def judge(evaluations: Sequence[Evaluation]) -> tuple[list[Verdict], list[int]]:
     return out, [len(evs) for evs in groups.values()]
 
 
+def settle(ev: Evaluation, within: float) -> Verdict | None:
+    """On the event loop, as a span is cut: its verdict when the patterns block it within
+    `within` seconds of CPU time (`Sidecar.settle`), so it need not wait for the model thread
+    and the batch of embeddings there; None: it queues for `judge`."""
+    judged = ev.scope.engine.settle(Request(ev.text, ev.source), within)
+    return None if judged is None else Verdict(ev, judged)
+
+
 def inject_for(v: Verdict, margin: float) -> Inject | None:
     """The inject a verdict calls for (`Judgement.inject`), minus tools its stream already got,
     tools its scope's catalog does not have, and tools of servers that are down now: dropped,
