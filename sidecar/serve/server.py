@@ -105,9 +105,10 @@ ROLLUP_CHECK_S = 3600.0  # how often to ask whether the daily roll-up of the cal
 
 
 class ReadBudget:
-    """A token bucket of characters: how long a connection's next read must wait so that it
-    is read at `rate` characters a second on average, `burst` at once. Sans-I/O: the caller
-    gives the clock."""
+    """A token bucket: of characters, how long a connection's next read must wait so that it
+    is read at `rate` characters a second on average, `burst` at once (`charge`); of spans,
+    whether one more may be settled on the event loop (`take`). Sans-I/O: the caller gives
+    the clock."""
 
     def __init__(self, rate: float, burst: float, now: float):
         self.rate, self.burst = rate, burst
