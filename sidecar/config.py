@@ -164,6 +164,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # measured cost per character), whole streams are shed, the most loaded connection's first,
     # so the streams kept are answered within about this instead of every stream late.
     shed_ms: float = 500.0
+    # ... replies' spans first, and user turns only while what is left would take longer than
+    # shed_turns_ms (shed_ms if that is more): a turn is what the chat app waits on, and shed it
+    # gets no tool at all.
+    # With blocked spans settled on the event loop (settle_ms) the queue holds only spans the
+    # model must embed, and at 500 ms a 1,000-connection soak on nomic lost 25-46 of 595 probe
+    # turns (bench/soak.py).
+    shed_turns_ms: float = 1000.0
     # Also inject runners-up within this relevance of the best. Chosen on Seal-Tools' tuning
     # split (0.05 -> 0.03: recall of the called tools 88.1% -> 87.9%, precision 71.0% -> 74.6%).
     inject_margin: float = 0.03
@@ -241,7 +248,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"server.port={self.port} must be within 0..65535")
         positive = ("max_frame_bytes", "max_frame_values", "read_ahead_frames", "read_chars_per_s", "max_stream_chars", "max_streams", "closed_streams", "max_connections", "max_connections_per_address", "span_words", "max_turn_chars",
-                    "max_pending", "stale_ms", "shed_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
+                    "max_pending", "stale_ms", "shed_ms", "shed_turns_ms", "max_inject_tools", "shutdown_timeout_s", "max_queued_per_connection",
                     "max_agent_chars", "max_query_chars", "max_error_chars", "max_name_chars")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:

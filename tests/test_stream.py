@@ -184,6 +184,12 @@ def test_overload_sheds_every_reply_span_before_a_user_turn():
         t.source = "user"
         q.put(t)
     assert q.shed(budget=4.0) == 1 and [e.name for e in q.take(0.0)] == ["b"]  # turns alone: the heaviest goes
+    for name, cost in (("a", 6.0), ("b", 3.0)):
+        t = Ev(object(), 0.0, name, owner=name, stream="t", cost=cost)
+        t.source = "user"
+        q.put(t)
+    q.put(Ev(object(), 0.0, "r", owner="r", stream="r", cost=2.0))
+    assert q.shed(budget=4.0, turns=9.0) == 1 and sorted(e.name for e in q.take(0.0)) == ["a", "b"]  # the reply goes; the turns (9) fit theirs
 
 
 def test_staleness_counts_from_when_the_wait_for_the_model_began():

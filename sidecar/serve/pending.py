@@ -156,7 +156,7 @@ class Pending:
             spent += c
         return out
 
-    def shed(self, budget: float) -> int:
+    def shed(self, budget: float, turns: float | None = None) -> int:
         """Drop whole streams while the waiting spans' weight exceeds `budget`: each time,
         the stream with the most weight of the connection with the most weight, oldest span
         first, and of the last one only what the budget needs (a lone flooding stream keeps
@@ -166,13 +166,16 @@ class Pending:
         the turns of the connections with the most waiting went first). The last span waiting
         is never shed: it holds no one up, and a lone long user turn whose estimate passed the
         budget (a 4,200-character turn after one short one, with nomic) went unanswered.
+        `turns` (at least `budget`; default `budget`): user turns go only while the rest
+        exceeds it, so a turn waits longer before it is lost than a reply's clause does.
         Returns how many spans went (counted as "shed"). O(1) when within the budget, else
         O(n log n) in the spans waiting."""
+        turns = budget if turns is None else max(turns, budget)
         if self.weight_total <= budget:
             return 0
         n = self._shed(budget, lambda ev: getattr(ev, "source", None) != "user")
-        if self.weight_total > budget:
-            n += self._shed(budget, lambda ev: True)
+        if self.weight_total > turns:
+            n += self._shed(turns, lambda ev: True)
         self.dropped["shed"] += n
         return n
 

@@ -711,7 +711,7 @@ class SidecarServer:
             batch_ms = self._batch_ms(now)
             budget = batch_ms / 1000 if self._cost_per_char is not None else None
             if self._cost_per_char:  # overload: whole streams go before every stream is late
-                self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char)
+                self.pending.shed(self.limits.shed_ms / 1000 / self._cost_per_char, self.limits.shed_turns_ms / 1000 / self._cost_per_char)
                 if shed := self.pending.take_shed():  # ... and their senders wait what they would have cost
                     sharing = self.pending.owners() | self._answered.keys()
                     for session, chars in shed.items():
