@@ -43,7 +43,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -57,8 +57,6 @@ from ..engine import Sidecar
 from ..core.gate import Decision
 from ..core.index import PRIMARY_CHARS
 from ..mcp.config import McpConfig
-from ..mcp.connections import ConnectionManager
-from ..mcp.live import LiveCatalog, go_live
 from .completion import Completion, start_completion
 from .pending import Pending
 from .learner import Learner
@@ -79,6 +77,10 @@ from .session import (
 from ..store import Store
 from .telemetry import Metrics, freeze_loaded_heap, limit_blas_threads, pin_mmap_threshold
 from .web import Web, peer
+
+if TYPE_CHECKING:  # imported where live servers are configured: the mcp SDK's models take ~1 s to import
+    from ..mcp.connections import ConnectionManager
+    from ..mcp.live import LiveCatalog
 
 log = logging.getLogger("sidecar.server")
 
@@ -401,6 +403,9 @@ class SidecarServer:
             if self.mcp is None:
                 engine = await asyncio.get_running_loop().run_in_executor(self._worker, build)
             else:
+                from ..mcp.connections import ConnectionManager
+                from ..mcp.live import go_live
+
                 self._servers = ConnectionManager(self.mcp)
                 self._servers.start()  # preconnect_servers: reconnected in the background when lost
                 beside = self._indexer if self.limits.hello_embed == "beside" else None  # a tool-list change embeds there first
