@@ -109,15 +109,14 @@ class PatternSet:
         event loop, leaves it to one that may)."""
         if self.max_chars is not None:
             text = text[:self.max_chars]
-        if within is not None:
-            return self._first_within(text, source, within)
         budget = self.budget_s(len(text))
         cpu = time.thread_time()  # once a text: the clock is a system call (~70 us in a VM), a search of a short text ~5 us
+        deadline = None if within is None else time.process_time() + within  # regex's timeout runs on the process's CPU clock too
         for p in self.patterns:
             if source not in p.sources:
                 continue
             try:
-                m = self._search(p, text, budget, cpu)
+                m = self._search(p, text, budget, cpu) if deadline is None else self._search_by(p, text, deadline)
             except _CutOff as cut:
                 self._timed_out(p, len(text), cut.budget)
                 if self.fail_closed:
@@ -127,21 +126,15 @@ class PatternSet:
                 return Match(p.id, m.group(0), m.start(), m.end())
         return None
 
-    def _first_within(self, text: str, source: str, within: float) -> Match | None:
-        deadline = time.process_time() + within  # regex's timeout runs on the process's CPU clock too
-        for p in self.patterns:
-            if source not in p.sources:
-                continue
-            left = deadline - time.process_time()
-            if left <= 0:
-                raise Unsettled(self.name)
-            try:
-                m = p.regex.search(text, timeout=left)
-            except TimeoutError:
-                raise Unsettled(self.name) from None
-            if m:
-                return Match(p.id, m.group(0), m.start(), m.end())
-        return None
+    def _search_by(self, p: Pattern, text: str, deadline: float) -> regex.Match | None:
+        """`p` searched in what is left until `deadline` (process CPU time); Unsettled past it."""
+        left = deadline - time.process_time()
+        if left <= 0:
+            raise Unsettled(self.name)
+        try:
+            return p.regex.search(text, timeout=left)
+        except TimeoutError:
+            raise Unsettled(self.name) from None
 
     def _search(self, p: Pattern, text: str, budget: float, cpu: float) -> regex.Match | None:
         """`p` searched within `budget` (of process CPU time); a search that other threads

@@ -312,9 +312,8 @@ class Pipeline:
             return None
         if not r.blocked:
             return None
-        timing = Timing(regex=(time.perf_counter() - t0) * 1000)
-        timing.total = timing.regex
-        return decide(request.text, request.source, r, [], self._thresholds(request.source), timing)
+        took = (time.perf_counter() - t0) * 1000
+        return decide(request.text, request.source, r, [], self._thresholds(request.source), Timing(regex=took, total=took))
 
     def detect_batch(self, requests: Sequence[Request]) -> Detected:
         if not requests:

@@ -89,10 +89,7 @@ class Pending:
         items = self._groups.get(g)
         if items is None:
             items = self._groups[g] = OrderedDict()
-        old = items.pop(ev.key, None)
-        if old is not None:
-            self.dropped["superseded"] += 1
-            self._forget(old)
+        self._supersede(items, ev.key)
         items[ev.key] = ev
         self._n += 1
         self.weight_total += self.weight(ev)
@@ -110,13 +107,17 @@ class Pending:
         """`ev` was decided without waiting: a pending span with its key is dropped
         (superseded), as `put` would have replaced it."""
         items = self._groups.get(_group(ev))
-        old = items.pop(ev.key, None) if items is not None else None
+        if items is not None and self._supersede(items, ev.key) and not items:
+            del self._groups[_group(ev)]
+
+    def _supersede(self, items: OrderedDict[object, Any], key: object) -> bool:
+        """Drop the pending span with `key` from its connection's `items`, counted as superseded."""
+        old = items.pop(key, None)
         if old is None:
-            return
+            return False
         self.dropped["superseded"] += 1
         self._forget(old)
-        if not items:
-            del self._groups[_group(ev)]
+        return True
 
     def take(self, now: float, limit: int | None = None, budget: float | None = None,
              cost: Callable[[Any], float] | None = None, one_round: bool = False) -> list[Any]:  # fmt: skip
