@@ -1106,7 +1106,9 @@ def test_serve_freezes_what_it_loaded_out_of_the_collectors_scans(tmp_path):
 
     seen = run(body())
     assert seen["sidecar_blas_threads"] == 1
-    assert seen["sidecar_python_frozen_objects"] > 50_000  # the model's wrappers, the catalog, the calibration, the patterns
+    # the model's wrappers, the catalog, the calibration, the patterns (~50,000; before fc69fd9 the
+    # MCP SDK's models too, imported now only for live servers: 49,938 in one run of this file)
+    assert seen["sidecar_python_frozen_objects"] > 40_000
     assert 'python_gc_collections_total{generation="2"}' in seen
     assert 0 <= seen['sidecar_gc_pause_max_seconds{generation="2"}'] <= seen['sidecar_gc_pause_seconds_total{generation="2"}'] + 1e-9
 
