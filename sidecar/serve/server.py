@@ -661,9 +661,9 @@ class SidecarServer:
     async def _build_session(self, base: Sidecar, catalog: Catalog) -> Sidecar:
         """Index a session catalog on the index thread beside the model thread, embedding on
         second contexts of the models (`hello_embed = "beside"`). Or in slices on the model
-        thread: the tools the server's index already has first (nothing to embed), then
-        `catalog_slice_tools` new ones per job. Each job queues behind the batch being judged
-        and the next batch queues behind it, so other sessions wait at most one slice."""
+        thread, `catalog_slice_tools` new ones per job (the tools the server's index already
+        has embed nothing). Each job queues behind the batch being judged and the next batch
+        queues behind it, so other sessions wait at most one slice."""
         loop = asyncio.get_running_loop()
         if self.limits.hello_embed == "beside":
             return await loop.run_in_executor(self._indexer, base.with_catalog, catalog, False, True)  # not stored; beside
@@ -671,7 +671,8 @@ class SidecarServer:
         known = [t for t in catalog if (o := old.get(t.name)) is not None and o.content_hash == t.content_hash]
         names = {t.name for t in known}
         fresh = [t for t in catalog if t.name not in names]
-        steps = [Catalog(known + fresh[:i], catalog.sources) for i in slice_starts(fresh, self.limits.catalog_slice_tools, self._cost_per_char, self.limits.shared_batch_ms / 1000)] + [catalog]
+        starts = slice_starts(fresh, self.limits.catalog_slice_tools, self._cost_per_char, self.limits.shared_batch_ms / 1000)
+        steps = [Catalog(known + fresh[:i], catalog.sources) for i in starts[1:]] + [catalog]  # each step embeds one more slice
         engine = base
         for cat in steps:
             engine = await loop.run_in_executor(self._worker, engine.with_catalog, cat, False)  # hello tools are not stored
