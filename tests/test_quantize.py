@@ -210,3 +210,27 @@ def test_variants_never_share_cached_vectors(model_dir, tmp_path):
     assert pipes[Q8].thresholds_origin == "builtin"
     d = pipes[Q8].detect("let me search my notes for the kubernetes setup")
     assert d.fired and d.tool == pipes[MINILM].detect("let me search my notes for the kubernetes setup").tool
+
+
+def test_a_store_keeps_a_variants_hash_and_a_changed_file_is_still_refused(model_dir, tmp_path):
+    """A start checks the variant it loads against its recorded sha256 through the store's
+    digest (kept per path, size and mtime: hashing nomic's 274 MB file was 0.26 s of every
+    start). The kept hash is the file's; once the file's bytes change, it is hashed again and
+    refused."""
+    d = tmp_path / "models"
+    d.mkdir()
+    src = model_dir / "all-minilm-l6-v2.q8_0.gguf"
+    shutil.copyfile(src, d / src.name)
+    shutil.copyfile(models.record_path(src), models.record_path(d / src.name))
+    store = open_store(str(tmp_path / "s.db"))
+    resolved = models.resolve(Q8, dest=d, auto_pull=False, digest=store.file_sha256)
+    recorded = msgspec.json.decode(models.record_path(src).read_bytes(), type=models.QuantRecord).sha256
+    assert resolved.spec.sha256 == recorded == models.file_sha256(d / src.name)
+    assert store.query("SELECT sha256 FROM file_digest WHERE path=?", (str((d / src.name).resolve()),)) == [(recorded,)]
+    assert models.resolve(Q8, dest=d, auto_pull=False, digest=store.file_sha256).spec.sha256 == recorded  # from the store
+
+    with open(d / src.name, "r+b") as f:  # same size, other bytes (and a newer mtime)
+        f.seek(src.stat().st_size // 2)
+        f.write(b"\xff" * 64)
+    with pytest.raises(models.ProvisioningError, match="checksum"):
+        models.resolve(Q8, dest=d, auto_pull=False, digest=store.file_sha256)

