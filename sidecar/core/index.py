@@ -106,6 +106,8 @@ def embed_cached(embedder: Embedder, store: Store | None, texts: list[str], kind
     keys = {t: text_key(embedder.prefixed(t, kind)) for t in texts}
     cached = store.vectors(embedder.identity, set(keys.values())) if store else {}
     missing = [t for t in keys if keys[t] not in cached]
+    if not missing:  # no bar at all (importing its library is 20 ms of a warm start)
+        return {t: cached[k] for t, k in keys.items()}, 0
     bulk = len(missing) >= BULK_TEXTS
     with progress_mod.bar(len(missing), progress or "", bool(progress and missing), unit="text") as shown:
         for lo in range(0, len(missing), batch):
