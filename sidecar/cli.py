@@ -229,7 +229,7 @@ def cmd_servers(args: argparse.Namespace) -> int:
     from .mcp.connections import ConnectionManager
 
     cfg = mcp_config.load(args.mcp_config)
-    logging.basicConfig(level=logging.ERROR, format="sidecar: %(levelname)s %(name)s: %(message)s")
+    progress.log_to_stderr(logging.ERROR)
 
     async def run() -> list:
         async with ConnectionManager(cfg) as manager:  # starts preconnect_servers
@@ -258,7 +258,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     if args.mcp_config is None and not (args.savings and args.catalog):
         raise ValueError("give --config mcp.json (an mcpServers file); only --savings --catalog FILE does without")
     cfg = mcp_config.load(args.mcp_config) if args.mcp_config else None
-    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")  # stderr: stdout may be the wire
+    progress.log_to_stderr(logging.WARNING)  # stderr: stdout may be the wire
     if args.savings:
         extra = {str(path): [t.definition() for t in catalog_mod.load([path])] for path in args.catalog or []}
         report = asyncio.run(mcp_server.measure_savings(cfg, extra))
@@ -274,7 +274,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     settings = config_mod.load(overrides={("model", "name"): args.model, ("store",): args.store})  # TOML from SIDECAR_CONFIG
     store = open_store(settings.store)
     http = (args.host, args.port) if args.http else None
-    return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=lambda m: print(f"sidecar: {m}", file=sys.stderr, flush=True)))
+    return asyncio.run(mcp_server.run(cfg, settings, store, http=http, announce=progress.note))
 
 
 def _writable(path: str | None) -> None:
@@ -459,14 +459,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         live = mcp_config.load(args.mcp_config)
     store = open_store(cfg.store)
-    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
-
-    def announce(msg: str) -> None:
-        print(f"sidecar: {msg}", file=sys.stderr, flush=True)
+    progress.log_to_stderr(logging.WARNING)
 
     if not cfg.catalogs and live is None:
-        announce("no catalog given: sessions bring their tools in hello.tools")
-    return asyncio.run(server.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
+        progress.note("no catalog given: sessions bring their tools in hello.tools")
+    return asyncio.run(server.run(cfg, cat, store, progress.note, mcp=live, progress=not args.quiet))
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -490,12 +487,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if cat is None and live is None:
         raise ValueError("no tools to add: give --mcp-config mcp.json (tools the proxy can run) and/or --catalog FILE")
     store = open_store(cfg.store)
-    logging.basicConfig(level=logging.WARNING, format="sidecar: %(levelname)s %(name)s: %(message)s")
+    progress.log_to_stderr(logging.WARNING)
 
-    def announce(msg: str) -> None:
-        print(f"sidecar: {msg}", file=sys.stderr, flush=True)
-
-    return asyncio.run(app.run(cfg, cat, store, announce, mcp=live, progress=not args.quiet))
+    return asyncio.run(app.run(cfg, cat, store, progress.note, mcp=live, progress=not args.quiet))
 
 
 def _case_sources(args: argparse.Namespace):

@@ -12,24 +12,48 @@ both quiet; bars show on a pipe too, not only on a terminal, so a log or a test 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 SLOW_S = 1.0  # a step still running after this long says what it is doing
+# Held while llama.cpp loads a model: llama-cpp-python points file descriptors 1 and 2 (and
+# sys.stdout, sys.stderr) at /dev/null meanwhile, so a line another thread wrote then was lost
+# ("listening on" once, while a second context loaded beside). What this module writes, and the
+# log handler `log_to_stderr` installs, waits for the load instead.
+STDIO = threading.RLock()
 
 
 def bar(total: int, desc: str, enabled: bool = True, unit: str = "item") -> tqdm:
     """A progress bar on stderr, cleared when it closes (`with bar(...) as b: b.update(n)`)."""
+    from tqdm import tqdm  # here: importing it (and importlib.metadata) is 20 ms of every start
+
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled, leave=False, dynamic_ncols=True)
 
 
 def note(message: str, enabled: bool = True) -> None:
     """One line on stderr, before a step that shows no bar."""
     if enabled:
-        print(f"sidecar: {message}", file=sys.stderr, flush=True)
+        with STDIO:
+            print(f"sidecar: {message}", file=sys.stderr, flush=True)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Log records on stderr, never while a model loads (STDIO)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with STDIO:
+            super().emit(record)
+
+
+def log_to_stderr(level: int) -> None:
+    """The commands' logging: records at `level` and up on stderr, "sidecar: LEVEL name: message"."""
+    logging.basicConfig(level=level, format="sidecar: %(levelname)s %(name)s: %(message)s", handlers=[_StderrHandler()])
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from sidecar import progress
 from sidecar.core import cores
 
 Kind = Literal["query", "document"]
@@ -113,7 +114,7 @@ class Embedder:
         self._flash_attn = flash_attn
         self._beside: tuple[object, threading.Lock] | None = None  # the second context (`beside`), once loaded
         self._beside_loading = threading.Lock()
-        self._local = threading.local()  # .context: this thread's (llm, lock) while `beside` is in force
+        self._local = threading.local()  # .beside: this thread's calls go to the second context
 
     @staticmethod
     def _load(path: str, n_ctx: int, threads: int, flash_attn: bool):
@@ -126,17 +127,9 @@ class Embedder:
             # plain attention spans every packed token (masked): a batch of 64 short texts
             # cost 1.5x their price one by one, with flash attention 0.75x (MiniLM, CPU time,
             # bench/embed_speed.py [--no-flash-attn]). Vectors agree to cosine 0.99999.
-            return Llama(
-                model_path=path,
-                embedding=True,
-                n_ctx=n_ctx,
-                n_batch=n_ctx,
-                n_ubatch=n_ctx,
-                n_threads=threads,
-                n_threads_batch=threads,
-                flash_attn=flash_attn,
-                verbose=False,
-            )
+            with progress.STDIO:  # it mutes stdout and stderr while it loads: no line of ours is lost meanwhile
+                return Llama(model_path=path, embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                             n_threads_batch=threads, flash_attn=flash_attn, verbose=False)  # fmt: skip
         except Exception as e:
             raise EmbedError(f"cannot load model {path}: {e}") from None
 
@@ -148,27 +141,22 @@ class Embedder:
     @contextlib.contextmanager
     def beside(self):
         """Meanwhile, this thread's calls run on a second context of the same weights, on half
-        the model's threads (one at least; loaded on first use: the weights are mapped once,
-        the context costs its buffers, 152 MB with nomic and 40 MB with MiniLM). A client's
-        tools embedded there never wait for, nor hold up, the texts judged on the first: one
-        text of 512 tokens is about 95 ms of MiniLM, which no slicing between batches can cut
-        (issue 33)."""
-        before = getattr(self._local, "context", None)
-        self._local.context = self._second()
+        the model's threads (one at least; loaded by the first call that needs it: the weights
+        are mapped once, the context costs its buffers, 152 MB with nomic and 40 MB with
+        MiniLM, and 0.1 s to load, which a warm start that finds every vector stored skips).
+        A client's tools embedded there never wait for, nor hold up, the texts judged on the
+        first: one text of 512 tokens is about 95 ms of MiniLM, which no slicing between
+        batches can cut (issue 33)."""
+        before = getattr(self._local, "beside", False)
+        self._local.beside = True
         try:
             yield
         finally:
-            self._local.context = before
-
-    def load_beside(self) -> None:
-        """Load the second context now. llama-cpp-python points the process's stdout and
-        stderr (file descriptors 1 and 2) at /dev/null while it loads a model without
-        `verbose`: whatever any other thread printed meanwhile was lost (a `serve` whose
-        completion loaded it while the main thread said "listening on" said nothing, 1 start
-        in 3 of a 62-tool cold catalog). A process that will need it loads it before it speaks."""
-        self._second()
+            self._local.beside = before
 
     def _second(self) -> tuple[object, threading.Lock]:
+        if self._beside is not None:
+            return self._beside
         with self._beside_loading:
             if self._beside is None:
                 self._beside = (self._load(self.path, self.max_tokens, self.beside_threads, self._flash_attn), threading.Lock())
@@ -176,7 +164,7 @@ class Embedder:
 
     def _context(self) -> tuple[object, threading.Lock]:
         """The llama.cpp context this thread embeds on, and its lock."""
-        return getattr(self._local, "context", None) or (self._llm, self._lock)
+        return self._second() if getattr(self._local, "beside", False) else (self._llm, self._lock)
 
     def count_tokens(self, text: str) -> int:
         llm, lock = self._context()

@@ -890,8 +890,6 @@ def open_engine(cfg: Config, catalog: Catalog | None, store: Store | None, *, li
         catalog = Catalog([])  # the live servers' tools alone
     engine = Sidecar.open(cfg, catalog=catalog, store=store, progress=progress, cases=False, at_once=True)
     engine.recommender.prepare()
-    if engine.pipeline.pending or cfg.cases.fill:  # the completion embeds there: loaded now, not while it says where it listens
-        engine.pipeline.embedder.load_beside()
     return engine
 
 
