@@ -3,6 +3,7 @@
 
     python bench/ready.py [--catalog fixtures/catalogs/ALL.json] [--model M] [--runs 3]
     python bench/ready.py --python /other/checkout/.venv/bin/python   # another build, side by side
+    python bench/ready.py --warm --runs 5   # restarts on a store that has every vector
 
 Each run starts `sidecar serve` on 127.0.0.1 with a new SQLite store (nothing embedded yet)
 and polls /healthz every 0.1 s: "answering" is the first 200 (the websocket serves from then
@@ -10,6 +11,12 @@ on), "whole" the first plain "ok" (every tool indexed; before the written cases 
 which the log says after). With `--probe-every S`, a client sends a user turn every S seconds
 from "answering" to "whole" and times each to its `ended` (what a user waits for a decision
 while the catalog is indexed beside it). Prints each run and the medians.
+
+`--warm`: one cold run fills a store (to "whole", then the written cases: the log's "written
+cases added"), then each run restarts on that store and is timed, polling every 10 ms, to its
+first answer. Warm runs start as an installed sidecar does, with Python's bytecode cache
+(PYTHONDONTWRITEBYTECODE unset for them: without it every start compiles ~55 modules again,
+0.17 s here).
 """
 
 from __future__ import annotations
@@ -76,27 +83,37 @@ class Prober(threading.Thread):
 
 
 def run_once(python: str, catalog: str, model: str | None, limit_s: float, cwd: pathlib.Path,
-             probe_every: float | None = None) -> tuple[float, float | None, list[float]]:  # fmt: skip
+             probe_every: float | None = None, store: str | None = None, warm: bool = False) -> tuple[float, float | None, list[float]]:  # fmt: skip
+    """One start: (seconds to the first answer, to the whole catalog or None, probe times).
+    `store`: the store file to start on (default a new one), filled to its written cases;
+    `warm`: stop at the first answer."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [python, "-m", "sidecar", "serve", "-q", "--catalog", catalog, "--store", os.path.join(tmp, "s.db"), "--port", str(port)]
+        fill = store is not None and not warm
+        cmd = [python, "-m", "sidecar", "serve", *([] if fill else ["-q"]), "--catalog", catalog, "--store", store or os.path.join(tmp, "s.db"), "--port", str(port)]
         if model:
             cmd += ["--model", model]
+        env = {k: v for k, v in os.environ.items() if not (warm and k == "PYTHONDONTWRITEBYTECODE")}
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if fill else subprocess.DEVNULL, env=env)
         answering = whole = prober = None
         try:
             while time.perf_counter() - t0 < limit_s and proc.poll() is None:
                 got = _health(port)
                 if got is not None and got[0] == 200:
                     answering = answering or time.perf_counter() - t0
+                    if warm:
+                        break
                     if probe_every and prober is None:
                         prober = Prober(port, probe_every)
                         prober.start()
                     if got[1] == "ok\n":
                         whole = time.perf_counter() - t0
                         break
-                time.sleep(0.1)
+                time.sleep(0.01 if warm else 0.1)
+            for line in proc.stderr if fill and whole is not None else ():  # the written cases too
+                if b"written cases added" in line or b"completion" in line:
+                    break
         finally:
             if prober is not None:
                 prober.stop.set()
@@ -117,7 +134,10 @@ def main() -> None:
     ap.add_argument("--cwd", default=str(ROOT), help="where it runs (another checkout, for its fixtures and imports)")
     ap.add_argument("--limit", type=float, default=900.0, help="seconds a run may take")
     ap.add_argument("--probe-every", type=float, metavar="S", help="time a user turn every S seconds while indexing")
+    ap.add_argument("--warm", action="store_true", help="fill one store, then time restarts on it to their first answer")
     args = ap.parse_args()
+    if args.warm:
+        return warm(args)
     answering, whole, probed = [], [], []
     for i in range(args.runs):
         a, w, ms = run_once(args.python, args.catalog, args.model, args.limit, pathlib.Path(args.cwd), args.probe_every)
@@ -128,6 +148,19 @@ def main() -> None:
         print(f"run {i + 1}: answering {a:.1f} s, whole {'–' if w is None else f'{w:.1f} s'}{_probes(ms)}", flush=True)
     tail = f", whole {statistics.median(whole):.1f} s" if whole else ""
     print(f"median: answering {statistics.median(answering):.1f} s{tail}{_probes(probed)}")
+
+
+def warm(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "warm.db")
+        a, w, _ = run_once(args.python, args.catalog, args.model, args.limit, pathlib.Path(args.cwd), store=store)
+        print(f"filling the store: answering {a:.1f} s, whole {'–' if w is None else f'{w:.1f} s'}", flush=True)
+        starts = []
+        for i in range(args.runs):
+            a, _, _ = run_once(args.python, args.catalog, args.model, args.limit, pathlib.Path(args.cwd), store=store, warm=True)
+            starts.append(a)
+            print(f"warm start {i + 1}: answering {a:.2f} s", flush=True)
+    print(f"median: warm start answering {statistics.median(starts):.2f} s")
 
 
 def _probes(ms: list[float]) -> str:
