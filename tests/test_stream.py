@@ -192,6 +192,36 @@ def test_overload_sheds_every_reply_span_before_a_user_turn():
     assert q.shed(budget=4.0, turns=9.0) == 1 and sorted(e.name for e in q.take(0.0)) == ["a", "b"]  # the reply goes; the turns (9) fit theirs
 
 
+def test_user_turns_are_taken_first_one_per_connection():
+    """A turn is what its chat app waits on before the model answers: each connection's
+    oldest turn goes before any reply's clause, in the connections' round-robin order, one
+    each (a connection sending turns as fast as it can gets one a batch before the replies,
+    like everyone else); the rest as before, oldest first, within the budget."""
+    q = Pending(max_pending=1000, stale_s=10.0)
+
+    def turn(name, owner, received=0.0):
+        t = Ev(object(), received, name, owner=owner, stream=f"t-{name}")
+        t.source = "user"
+        return t
+
+    for k in range(4):
+        q.put(Ev(object(), 0.0, f"r{k}", owner="replies", stream="r"))
+    q.put(Ev(object(), 0.0, "a-reply", owner="a", stream="r"))
+    q.put(turn("a1", "a"))
+    q.put(turn("a2", "a"))
+    q.put(turn("b1", "b"))
+    q.put(turn("stale", "c", received=-20.0))
+    assert [e.name for e in q.take(0.0, limit=3)] == ["a1", "b1", "r0"]  # c's turn was stale
+    assert q.dropped["stale"] == 1
+    assert [e.name for e in q.take(0.0, limit=2)] == ["a2", "r1"]
+    assert [e.name for e in q.take(0.0)] == ["a-reply", "r2", "r3"]
+    q.put(turn("long", "a"))
+    q.put(turn("short", "b"))
+    cost = {"long": 3.0, "short": 1.0}
+    assert [e.name for e in q.take(0.0, budget=2.0, cost=lambda ev: cost[ev.name])] == ["long"]  # the first always goes
+    assert [e.name for e in q.take(0.0, budget=2.0, cost=lambda ev: cost[ev.name])] == ["short"]
+
+
 def test_staleness_counts_from_when_the_wait_for_the_model_began():
     """A long user turn is embedded beside the model thread before it is queued (2 s and more
     with nomic under load): stale_ms is for waiting on the model, so it counts from `queued`."""

@@ -4,7 +4,9 @@ fair, bounded batches.
 Evaluations are queued per connection (an evaluation's `owner`). The worker takes a
 bounded batch (`take(now, limit, budget)`: at most `limit` spans and about `budget` of
 estimated work), one span per connection in turn, so a connection that queued hundreds of
-spans gets one slot per round like everyone else. While the worker judges, new spans pile
+spans gets one slot per round like everyone else. User turns go first, one per connection
+in the same order: a turn is what its chat app waits on before the model answers, where a
+reply's clause is judged while the reply goes on. While the worker judges, new spans pile
 up here; when that happens faster than the worker drains them, the queue degrades in a fixed
 order and counts each loss:
 
@@ -38,6 +40,10 @@ def _group(ev: Any) -> Any:
     return getattr(ev, "owner", None)
 
 
+def _turn(ev: Any) -> bool:
+    return getattr(ev, "source", None) == "user"
+
+
 def _stream(ev: Any) -> Any:
     stream = getattr(ev, "stream", None)
     return (_group(ev), getattr(stream, "id", stream))
@@ -58,6 +64,7 @@ class Pending:
         # order (one that was served moves to the back)
         self._groups: OrderedDict[Any, OrderedDict[object, Any]] = OrderedDict()
         self._streams: Counter[tuple] = Counter()  # (connection, stream id) -> spans pending
+        self._turns: Counter[Any] = Counter()  # connection -> its user turns' spans pending
         self._n = 0
 
     def __len__(self) -> int:
@@ -95,6 +102,8 @@ class Pending:
         self.weight_total += self.weight(ev)
         self._weights[g] += self.weight(ev)
         self._streams[_stream(ev)] += 1
+        if _turn(ev):
+            self._turns[g] += 1
         while self._n > self.max_pending:
             biggest = max(self._groups, key=lambda k: len(self._groups[k]))
             _, gone = self._groups[biggest].popitem(last=False)
@@ -129,33 +138,57 @@ class Pending:
         MiniLM against a shared budget of 40 ms). `one_round`: once two connections have a span in
         the batch, none gets a second, so a connection with one span waiting shares its batch
         with one span of each other, not with a budget's worth of a flooding one's (a lone
-        connection still fills the budget). Stale ones met on the way are dropped; what is not
-        taken stays queued."""
+        connection still fills the budget). Before that round, each connection's oldest user
+        turn, if it has one waiting, in the same order. Stale ones met on the way are dropped;
+        what is not taken stays queued."""
         out: list[Any] = []
         spent = 0.0
         served: set[Any] = set()
+        turns = [g for g in self._groups if g in self._turns] if self._turns else []
+        for g in turns:  # a user turn of each connection that has one, first
+            if limit is not None and len(out) >= limit:
+                return out
+            key, ev = next((k, e) for k, e in self._groups[g].items() if _turn(e))
+            taken = self._take_one(g, key, ev, now, budget if out else None, spent, cost, served)
+            if taken is None:
+                return out  # past the budget: the batch ends here
+            if taken:
+                out.append(ev)
+                spent += taken[0]
         while self._groups and (limit is None or len(out) < limit):
             g, items = next(iter(self._groups.items()))
             if one_round and g in served and len(served) > 1:
                 break
-            ev = next(iter(items.values()))
-            fresh = now - (getattr(ev, "queued", None) or ev.received) <= self.stale_s
-            c = cost(ev) if cost is not None and fresh else 0.0
-            if fresh and out and budget is not None and spent + c > budget:
+            key, ev = next(iter(items.items()))
+            taken = self._take_one(g, key, ev, now, budget if out else None, spent, cost, served)
+            if taken is None:
                 break
-            served.add(g)
-            items.popitem(last=False)
-            self._forget(ev)
-            if items:
-                self._groups.move_to_end(g)
-            else:
-                del self._groups[g]
-            if not fresh:
-                self.dropped["stale"] += 1
-                continue
-            out.append(ev)
-            spent += c
+            if taken:
+                out.append(ev)
+                spent += taken[0]
         return out
+
+    def _take_one(self, g: Any, key: object, ev: Any, now: float, budget: float | None, spent: float,
+                  cost: Callable[[Any], float] | None, served: set[Any]) -> tuple[float, ...] | None:  # fmt: skip
+        """Take `ev` (its key `key`) off connection `g`'s queue, for `take`: (its cost,) when
+        fresh, () when stale (dropped and counted), None when it would take the batch past
+        `budget` (None: no bound) from `spent` (it stays queued)."""
+        fresh = now - (getattr(ev, "queued", None) or ev.received) <= self.stale_s
+        c = cost(ev) if cost is not None and fresh else 0.0
+        if fresh and budget is not None and spent + c > budget:
+            return None
+        served.add(g)
+        items = self._groups[g]
+        del items[key]
+        self._forget(ev)
+        if items:
+            self._groups.move_to_end(g)
+        else:
+            del self._groups[g]
+        if not fresh:
+            self.dropped["stale"] += 1
+            return ()
+        return (c,)
 
     def shed(self, budget: float, turns: float | None = None) -> int:
         """Drop whole streams while the waiting spans' weight exceeds `budget`: each time,
@@ -238,3 +271,7 @@ class Pending:
         self._streams[key] -= 1
         if self._streams[key] <= 0:
             del self._streams[key]
+        if _turn(ev):
+            self._turns[g] -= 1
+            if self._turns[g] <= 0:
+                del self._turns[g]
