@@ -70,6 +70,31 @@ def test_a_catalog_with_own_cases_gets_a_classifier_that_ranks_held_back_paraphr
     assert np.all(clf > 1 / len(INTENTS))
 
 
+def test_a_fitted_classifier_is_kept_in_the_store_and_read_back_as_it_was(intents, tmp_path, capsys):
+    """A fit takes seconds on a large catalog (every `detect` on one did it again, and `serve`
+    once a start): the store keeps it by what decides it, so a new process reads it back, the
+    same weights; a store that never saw the catalog fits again, and so does another set of
+    rows (the tools changed)."""
+    from sidecar.core import index as index_mod
+
+    index = intents.index_for("user")
+    model = intents.embedder.identity
+    fitted = index.classifier
+    store = open_store(tmp_path / "fits.db")
+    index_mod._classifiers.clear()  # a new process: nothing memoised
+    first = index_mod.classifier_for(index, model, progress=True, store=store, scheme="s")
+    assert "fitting the classifier" in capsys.readouterr().err
+    np.testing.assert_allclose(first.coef, fitted.coef, atol=1e-6)
+    index_mod._classifiers.clear()
+    again = index_mod.classifier_for(index, model, progress=True, store=store, scheme="s")
+    assert capsys.readouterr().err == ""  # read back, not fitted
+    assert np.array_equal(again.coef, first.coef) and np.array_equal(again.bias, first.bias)
+    index_mod._classifiers.clear()
+    index_mod.classifier_for(index, model, progress=True, store=store, scheme="another scheme")
+    assert "fitting the classifier" in capsys.readouterr().err  # other rows: fitted again
+    assert len(store.query("SELECT key FROM classifier_fits")) == 2
+
+
 def test_a_catalog_without_own_cases_gets_no_classifier_and_a_zero_view(tmp_path):
     pipe = _pipeline(tmp_path, CATALOGS / "notes.json")
     assert pipe.index_for("user").classifier is None

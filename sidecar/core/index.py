@@ -34,6 +34,7 @@ from .. import progress as progress_mod
 from .cases import Strategy
 from .catalog import Catalog
 from .embed import BULK_TEXTS, Embedder, Kind
+from ..learn import learned as learned_mod
 from ..learn.learned import Classifier, ClassifierFit, Examples
 from ..store import Store, StoreBusy, text_key
 
@@ -240,6 +241,23 @@ MIN_OWN_CASES = 5  # a tool with fewer own cases does not count towards a classi
 OWN_CASES_SHARE = 0.8  # of the tools must have MIN_OWN_CASES for the index to fit one
 MAX_CLASSIFIER_TOOLS = 2000  # (dim, tools) weights and a fit in seconds; past it, no classifier
 _classifiers: dict[tuple, Classifier] = {}  # the last few fits, by model and rows (a reindex of an unchanged catalog refits nothing)
+CLASSIFIERS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS classifier_fits (
+    key      TEXT PRIMARY KEY,  -- sha256 of classifier_for's key, ClassifierFit and its code
+    built_at REAL NOT NULL,     -- the oldest go first past CLASSIFIERS_KEPT
+    entry    BLOB NOT NULL      -- _Fit, msgpack
+);
+"""
+CLASSIFIERS_KEPT = 8  # fits kept in the store (605 tools x 768 dims: 1.9 MB each)
+
+
+class _Fit(msgspec.Struct, array_like=True):
+    """A fitted Classifier as `classifier_fits` keeps it: float32 bytes."""
+
+    dim: int
+    tools: int
+    coef: bytes  # (dim, tools)
+    bias: bytes  # (tools,)
 
 
 def wants_classifier(catalog: Catalog) -> bool:
@@ -251,9 +269,14 @@ def wants_classifier(catalog: Catalog) -> bool:
     return 2 <= n <= MAX_CLASSIFIER_TOOLS and own >= OWN_CASES_SHARE * n
 
 
-def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None, progress: bool = False) -> Classifier:
+def classifier_for(index: ToolIndex, model: str, examples: Examples | None = None, progress: bool = False,
+                   store: Store | None = None, scheme: str = "") -> Classifier:  # fmt: skip
     """The softmax classifier over the index's tools, fitted on every tool's rows and on the
-    `examples` asking for them (memoised). A fit takes seconds: `progress` says so on stderr."""
+    `examples` asking for them (memoised; with a store, kept there too, keyed by what decides
+    the rows: the model, `scheme` (rows_scheme) and the tools' content hashes, the examples,
+    and the fit's parameters and code). A fit takes seconds (every `detect` on a catalog of
+    cases did one, and `serve` one per start once the written cases were added): `progress`
+    says so on stderr."""
     none = (np.zeros((0, index.dim), np.float32), np.zeros(0, int))
     extra, labels = examples.rows_for(index.names) if examples is not None else none
     asked = hashlib.sha256(extra.tobytes() + labels.tobytes()).hexdigest()
@@ -261,10 +284,40 @@ def classifier_for(index: ToolIndex, model: str, examples: Examples | None = Non
     if key not in _classifiers:
         while len(_classifiers) >= 4:
             _classifiers.pop(next(iter(_classifiers)))
-        rows, row_tool = np.vstack([index.matrix, extra]), np.concatenate([index.row_tool, labels])
-        progress_mod.note(f"fitting the classifier over {len(index.names)} tools' own cases ({len(rows)} texts)", progress)
-        _classifiers[key] = ClassifierFit().fit(rows, row_tool, len(index.names))
+        stored_key = hashlib.sha256(repr((key, scheme, ClassifierFit(), _fit_code())).encode()).hexdigest()
+        fit = _stored_classifier(store, stored_key, index.dim, len(index.names)) if store is not None else None
+        if fit is None:
+            rows, row_tool = np.vstack([index.matrix, extra]), np.concatenate([index.row_tool, labels])
+            progress_mod.note(f"fitting the classifier over {len(index.names)} tools' own cases ({len(rows)} texts)", progress)
+            fit = ClassifierFit().fit(rows, row_tool, len(index.names))
+            if store is not None:
+                _store_classifier(store, stored_key, fit)
+        _classifiers[key] = fit
     return _classifiers[key]
+
+
+@functools.cache
+def _fit_code() -> str:
+    """The code of the fit (learn/learned.py): a change to it makes stored fits stale."""
+    return hashlib.sha256(pathlib.Path(learned_mod.__file__).read_bytes()).hexdigest()
+
+
+def _stored_classifier(store: Store, key: str, dim: int, tools: int) -> Classifier | None:
+    store.ensure_schema(CLASSIFIERS_SCHEMA)
+    found = store.built("classifier_fits", key)
+    if found is None:
+        return None
+    row = msgspec.msgpack.decode(found, type=_Fit)
+    if (row.dim, row.tools) != (dim, tools):
+        return None
+    return Classifier(np.frombuffer(row.coef, np.float32).reshape(dim, tools), np.frombuffer(row.bias, np.float32))
+
+
+def _store_classifier(store: Store, key: str, fit: Classifier) -> None:
+    """Keep a fit for the next start."""
+    dim, tools = fit.coef.shape
+    entry = msgspec.msgpack.encode(_Fit(dim, tools, np.ascontiguousarray(fit.coef, np.float32).tobytes(), np.asarray(fit.bias, np.float32).tobytes()))
+    store.keep_built("classifier_fits", key, entry, CLASSIFIERS_KEPT)
 
 
 class ToolIndex:
@@ -357,7 +410,7 @@ class ToolIndex:
         from_rows = {t for name in read for t in [*entries[name].texts, entries[name].primary_text]}
         index = cls(strategy, entries, embedder.dim)
         if wants_classifier(catalog):
-            index.classifier = classifier_for(index, embedder.identity, examples, progress)
+            index.classifier = classifier_for(index, embedder.identity, examples, progress, store if persist else None, scheme)
         index.stats = IndexStats(
             tools=len(entries),
             rows=len(index.texts),

@@ -17,7 +17,6 @@ import functools
 import hashlib
 import itertools
 import pathlib
-import time
 import weakref
 from collections import Counter
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ import numpy as np
 import regex
 
 from .catalog import Catalog, Tool
-from ..store import Store, StoreBusy
+from ..store import Store
 
 _WORD = regex.compile(r"[\p{L}\p{N}]+")  # what a word is; "_" is not in it: snake_case splits
 _CAMEL = regex.compile(r"(?<=\p{Ll})(?=\p{Lu})")
@@ -139,9 +138,9 @@ class LexicalIndex:
         built and kept there; a store busy past its bound only costs the keeping."""
         key = _key(catalog, kind, k1, b)
         store.ensure_schema(SCHEMA)
-        found = store.query("SELECT entry FROM lexical_index WHERE key=?", (key,))
-        if found:
-            row = msgspec.msgpack.decode(bytes(found[0][0]), type=_Arrays)
+        found = store.built("lexical_index", key)
+        if found is not None:
+            row = msgspec.msgpack.decode(found, type=_Arrays)
             index = cls.__new__(cls)
             index.kind, index.k1, index.b = kind, k1, b
             index.names = [t.name for t in catalog]
@@ -155,17 +154,7 @@ class LexicalIndex:
         index = cls(catalog, kind, k1, b)
         entry = msgspec.msgpack.encode(_Arrays(list(index.vocab), index.idf.tobytes(), index._rows.astype(np.int64).tobytes(),
                                                index._weights.tobytes(), index._ptr.astype(np.int64).tobytes()))  # fmt: skip
-
-        def keep(tx) -> None:
-            tx.execute("""INSERT INTO lexical_index AS cur VALUES (?,?,?) ON CONFLICT (key)
-                          DO UPDATE SET built_at = excluded.built_at, entry = excluded.entry""", (key, time.time(), entry))  # fmt: skip
-            tx.execute("""DELETE FROM lexical_index WHERE key NOT IN
-                          (SELECT key FROM lexical_index ORDER BY built_at DESC LIMIT ?)""", (KEEP,))  # fmt: skip
-
-        try:
-            store.write(keep)
-        except StoreBusy:
-            pass
+        store.keep_built("lexical_index", key, entry, KEEP)
         return index
 
     def __init__(self, catalog: Catalog, kind: str = "bm25", k1: float = 1.2, b: float = 0.75):

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import pathlib
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -148,6 +149,26 @@ class Store:
             self.write(lambda tx: tx.executemany(
                 """INSERT INTO embedding_cache AS cur VALUES (?,?,?,?) ON CONFLICT (model, text_sha)
                    DO UPDATE SET dim = excluded.dim, vector = excluded.vector""", rows))  # fmt: skip
+
+    def built(self, table: str, key: str) -> bytes | None:
+        """What a table of built things (columns key, built_at, entry: a lexical index, a
+        fitted classifier) keeps under `key`, or None."""
+        found = self.query(f"SELECT entry FROM {table} WHERE key=?", (key,))
+        return bytes(found[0][0]) if found else None
+
+    def keep_built(self, table: str, key: str, entry: bytes, kept: int) -> None:
+        """Keep `entry` under `key` in such a table, and only its `kept` newest entries; a store
+        busy past its bound only costs the keeping."""
+
+        def keep(tx) -> None:
+            tx.execute(f"""INSERT INTO {table} AS cur VALUES (?,?,?) ON CONFLICT (key)
+                           DO UPDATE SET built_at = excluded.built_at, entry = excluded.entry""", (key, time.time(), entry))  # fmt: skip
+            tx.execute(f"DELETE FROM {table} WHERE key NOT IN (SELECT key FROM {table} ORDER BY built_at DESC LIMIT ?)", (kept,))
+
+        try:
+            self.write(keep)
+        except StoreBusy:
+            pass
 
     def file_sha256(self, path: str | pathlib.Path) -> str:
         """A file's sha256, computed once per (path, size, mtime)."""
