@@ -141,6 +141,18 @@ def test_looking_at_something_announces_an_action(text, path):
 
 
 @pytest.mark.parametrize(
+    "text,path",
+    [
+        ("I will look up your reservation details.", "high:first_person"),
+        ("I can look up your reservation details and assist you further.", "negative:uncommitted"),  # an offer
+        ("Once you confirm, I can calculate the total for you.", "negative:uncommitted"),
+    ],
+)
+def test_a_reply_that_offers_commits_to_nothing(text, path):
+    assert gate.route(text, "llm", patterns.load_dir(), replies_commit=True).path == path
+
+
+@pytest.mark.parametrize(
     "text,pattern",
     [
         ("what's the status of PROJ-1423?", "names_artifact"),
