@@ -21,13 +21,14 @@ from .core import models
 from .core.asks import split as split_asks
 from .core.catalog import Catalog
 from .config import Config, GateConfig
-from .core.gate import Decision, Timing
+from .core.gate import Decision, Thresholds, Timing, fires
 from .store.metrics import MetricsStore, StringCaps
 from .core.pipeline import Detected, Pipeline, Request, Views, from_config
 from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences
 from .store import Store, open_store
+from .learn.traffic import with_lesson
 
 
 class Judgement(msgspec.Struct):
@@ -176,8 +177,9 @@ class Sidecar:
                 ranked = self.recommender.recommend(r.text, self._context(contexts, i, r.source), top=top, query_vector=vector, views=views)
             out.append(Judgement(d, ranked, vector))
         n = len(requests)
+        unlearned = self._ask_thresholds() if asks else None
         for (i, ask), d, vector, views in zip(asks, detected.decisions[n:], detected.vectors[n:], detected.views[n:]):
-            if out[i].decision.fired and d.fired:
+            if out[i].decision.fired and d.fired and (unlearned is None or fires([d.kind], np.array([d.score]), unlearned, [d.tool])[0]):
                 best = self.recommender.recommend(ask, self._context(contexts, i, "user"), top=1, query_vector=vector, views=views)
                 out[i].asks.extend(best.results[:1])
         if self.sequences.rules:
@@ -186,6 +188,18 @@ class Sidecar:
                 j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors, _relevance_of(j, rule.tool))) for r in picks
                             for rule in self.sequences.around(r.tool)]  # fmt: skip
         return out
+
+    def _ask_thresholds(self) -> Thresholds | None:
+        """What an ask must pass to add its tool, beyond the thresholds in force: with a lesson
+        from traffic that set its own bar, the thresholds without it (None: nothing more). A
+        lesson fits its bar on whole turns, where what fires is mostly the turn's own best tool;
+        a turn's sentences one by one are mostly statements ("It's a one-way flight for just
+        me"), and at a lesson's bar they fired for 1 right tool in 18 (tau-bench airline,
+        learned from its first half)."""
+        pipe = self.pipeline
+        if pipe.learned is None or pipe.learned.bar is None:
+            return None
+        return with_lesson(pipe, None).thresholds_in_force[0]
 
     @staticmethod
     def _context(contexts: Sequence[Context] | None, i: int, source: str) -> Context:

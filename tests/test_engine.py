@@ -109,3 +109,25 @@ def test_a_turn_of_several_asks_injects_a_tool_for_each(tmp_path):
     off = Sidecar(msgspec.structs.replace(engine.cfg, server=msgspec.structs.replace(engine.cfg.server, split_asks=False)), engine.pipeline, None, None)
     [j_off] = off.judge([Request(two)])
     assert j_off.asks == [] and len(j_off.inject(0.05)) < len(j.inject(0.05))
+
+
+def test_under_a_lesson_an_ask_is_held_to_the_bar_without_it(tmp_path):
+    """A lesson from traffic fits its bar on whole turns; the sentences of a chatty turn taken
+    one by one are mostly statements, so an ask adds its tool only where it would fire without
+    the lesson. Here the lesson's bar fires anything: the statement alone fires, as an ask it
+    adds nothing, and the request beside it still does."""
+    from sidecar.learn.traffic import Example, Learned
+
+    overrides = {("model", "name"): models.SMALL_MODEL, ("catalogs",): [str(CATALOGS / "notes.json")], ("store",): str(tmp_path / "s.db")}
+    engine = Sidecar.open(config_mod.load(env={}, overrides=overrides), progress=False, history=False)
+    request, statement, talk = "search my notes for the kubernetes setup", "My notes are a mess these days.", "thanks, that is all for today"
+    [plain] = engine.judge([Request(statement)])
+    assert not plain.decision.fired  # without a lesson a statement is silent
+    pipe = engine.pipeline
+    vectors = pipe.queries.embed(pipe.embedder, [request, talk]).vectors
+    pipe.learned = Learned.of([Example(request, "semantic_search", vectors[0], "s"), Example(talk, None, vectors[1], "s")],
+                              pipe.catalog.names(), bar=0.0001)  # fmt: skip
+    [alone] = engine.judge([Request(statement)])
+    assert alone.decision.fired  # the lesson's bar fires it on its own
+    [turn] = engine.judge([Request(f"{request}. {statement}")])
+    assert turn.decision.fired and [r.tool for r in turn.asks] == ["semantic_search"], [r.tool for r in turn.asks]
