@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the order the turns are played in")
     ap.add_argument("--limit", type=int, help="play at most this many turns")
     ap.add_argument("--store", help="embedding cache (default: the user's store)")
+    ap.add_argument("--objective", choices=("recall", "f1"), default="recall", help="what the lesson's bar is chosen for ([learn] objective)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -55,7 +56,7 @@ def main() -> int:
     pipe = engine.pipeline
     vectors = pipe.queries.embed(pipe.embedder, [it.text for it in items]).vectors
     examples = [Example(it.text, first_tool(it), vectors[i]) for i, it in enumerate(learn)]
-    lesson, outcome = TrafficFit().fit(pipe, examples)
+    lesson, outcome = TrafficFit(objective=args.objective).fit(pipe, examples)
 
     before = judged(engine, test)
     pipe.learned = lesson

@@ -328,6 +328,11 @@ class LearnConfig(msgspec.Struct, forbid_unknown_fields=True):
     session_share: float = 0.1  # of max_examples one connection may hold: no one client steers the lesson
     refit_every: int = 50  # new examples between refits (a refit is numpy, off the model thread)
     refit_share: float = 0.1  # of the time refits may take: after one of T seconds, none for T * (1 / share - 1)
+    # What a lesson's bar is chosen for, among the bars at the calibration's precision or above
+    # (out of fold): "recall", the most of it; "f1", the balance of recall and precision. Where
+    # the calibration's precision is low, "recall" fires on nearly every turn (tau-bench
+    # airline's first half: recall 0.687 at precision 0.295; "f1": 0.591 at 0.501).
+    objective: Literal["recall", "f1"] = "recall"
 
     def __post_init__(self) -> None:
         if not 20 <= self.max_examples <= 100_000:

@@ -274,3 +274,22 @@ def test_learning_waits_on_one_thread_in_a_bounded_list_and_refits_at_its_pace(t
     assert [e.text for e in learner.log.examples()] == texts[80:]  # the newest kept
     assert threads and all(n.startswith("sidecar-learn") for n in threads), threads
     assert held and ran
+
+
+def test_the_bar_for_f1_gives_up_recall_that_costs_too_much_precision():
+    """`[learn] objective`: among bars at the calibration's precision or above, "recall" takes
+    the lowest (it fires on every turn here, most of them wrong), "f1" the one that keeps most
+    of the recall at far fewer false fires."""
+    from sidecar.learn.traffic import best_bar, rates
+
+    # 10 turns that called "a" (8 ranked right) and 30 silent ones; the silent ones mostly score low
+    p = np.array([0.9] * 6 + [0.6, 0.05] + [0.04, 0.03] + [0.5] * 3 + [0.02] * 27)
+    first = ["a"] * 7 + ["b"] + ["a", "a"] + ["a"] * 30
+    truth = ["a"] * 10 + [None] * 30
+    most = best_bar(p, first, truth, precision=0.2, z=0.0, objective="recall")
+    balanced = best_bar(p, first, truth, precision=0.2, z=0.0, objective="f1")
+    assert most is not None and balanced is not None and balanced > most
+    r_most, r_f1 = rates(p, first, truth, most), rates(p, first, truth, balanced)
+    assert r_most.recall > r_f1.recall and r_f1.precision > r_most.precision + 0.3
+    assert r_f1.score("f1") > r_most.score("f1")
+    assert LearnConfig().objective == "recall" and LearnConfig(objective="f1").objective == "f1"

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
@@ -327,6 +327,7 @@ class TrafficFit(msgspec.Struct, frozen=True):
     min_called: int = 10
     min_silent: int = 10
     margin: float = 0.005
+    objective: Literal["recall", "f1"] = "recall"  # what the bar is chosen for (`[learn] objective`)
     max_rank_rows: int = 1000  # called turns the ranker's weights are fitted on (the latest; each is (tools, views) of floats)
     seed: int = 0
 
@@ -395,9 +396,9 @@ class TrafficFit(msgspec.Struct, frozen=True):
         for f in range(self.folds):
             test = folds == f
             recal[test] = TrafficGate.fit(p[~test], *near[~test].T, y[~test]).probability(p[test], *near[test].T)
-        plain, tuned = best_bar(p, first, truth, precision), best_bar(recal, first, truth, precision)
-        recall = lambda q, b: -1.0 if b is None else rates(q, first, truth, b).recall  # noqa: E731
-        if recall(recal, tuned) > recall(p, plain):
+        plain, tuned = (best_bar(q, first, truth, precision, objective=self.objective) for q in (p, recal))
+        score = lambda q, b: -1.0 if b is None else rates(q, first, truth, b).score(self.objective)  # noqa: E731
+        if score(recal, tuned) > score(p, plain):
             return tuned, TrafficGate.fit(p, *near.T, y), recal
         return plain, None, p
 
@@ -445,6 +446,12 @@ class Rates(msgspec.Struct):
     recall: float
     precision: float
 
+    def score(self, objective: str) -> float:
+        """What a bar is chosen for (`TrafficFit.objective`): recall, or its F1 with precision."""
+        if objective == "recall":
+            return self.recall
+        return 2 * self.recall * self.precision / (self.recall + self.precision) if self.recall + self.precision else 0.0
+
 
 Called = str | frozenset[str] | None  # what a turn called: a tool, any of several, or none
 
@@ -460,9 +467,11 @@ def rates(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], b
     return Rates(round(float(right.sum() / max(called, 1)), 4), round(float(right.sum() / fired.sum()), 4) if fired.any() else 0.0)
 
 
-def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], precision: float, z: float = 1.0) -> float | None:
-    """The bar with the most recall whose precision stays at `precision` or above with some
-    confidence: its precision less `z` standard errors (of equal recalls, the higher bar).
+def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called], precision: float, z: float = 1.0,
+             objective: str = "recall") -> float | None:  # fmt: skip
+    """The bar with the best `objective` (`Rates.score`: recall, or F1) whose precision stays at
+    `precision` or above with some confidence: its precision less `z` standard errors (of equal
+    scores, the higher bar).
     None when no bar does. The standard error keeps a bar fitted on a few hundred turns from
     trading precision it only seemed to keep; on thousands it all but vanishes."""
     best: tuple[float, float] | None = None
@@ -470,6 +479,6 @@ def best_bar(p: np.ndarray, first: Sequence[str | None], truth: Sequence[Called]
         r = rates(p, first, truth, float(c))
         fired = int((p >= c).sum())
         low = r.precision - z * math.sqrt(max(r.precision * (1 - r.precision), 1e-9) / max(fired, 1))
-        if low >= precision and (best is None or r.recall >= best[0]):
-            best = (r.recall, float(c))
+        if low >= precision and (best is None or r.score(objective) >= best[0]):
+            best = (r.score(objective), float(c))
     return None if best is None else best[1]

@@ -37,12 +37,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.server")
 
 
-def learn(engine: Sidecar, tlog: TrafficLog, fit: TrafficFit = TrafficFit(), sequences: SequenceFit = SequenceFit()) -> tuple[Learned | None, Outcome]:
+def learn(engine: Sidecar, tlog: TrafficLog, fit: TrafficFit | None = None, sequences: SequenceFit = SequenceFit()) -> tuple[Learned | None, Outcome]:
     """What `engine` learns from what it saw: the tools that go together, from each recorded
     turn's calls (and the call log of connections that report no turns), set on the engine at
     once, and the catalog's lesson from the turns (returned with how it judged; the caller swaps
     it in)."""
     learn_sequences(engine, tlog, sequences)
+    fit = fit or fit_of(engine.cfg.learn)
     return fit.fit(engine.pipeline, tlog.examples(), source=f"traffic: {engine.store.location}")
 
 
@@ -52,6 +53,11 @@ def learn_sequences(engine: Sidecar, tlog: TrafficLog, sequences: SequenceFit = 
     turns, seen = tlog.turn_calls()
     calls = engine.history.call_sequences(engine.catalog, skip=seen) if engine.history is not None else []
     engine.sequences.update(sequences.fit(turns + calls, "turns" if turns else "sessions"))
+
+
+def fit_of(cfg: LearnConfig) -> TrafficFit:
+    """The lesson's estimator with what the config sets of it."""
+    return TrafficFit(objective=cfg.objective)
 
 
 def traffic_log(engine: Sidecar, cfg: LearnConfig | None = None) -> TrafficLog:
@@ -72,12 +78,12 @@ def apply_learned(engine: Sidecar) -> Outcome | None:
 
 
 class Learner:
-    def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit = TrafficFit(),
+    def __init__(self, engine: Sidecar, cfg: LearnConfig, metrics: Metrics | None = None, fit: TrafficFit | None = None,
                  sequences: SequenceFit = SequenceFit()):  # fmt: skip
         assert engine.store is not None
         self.engine = engine
         self.log = traffic_log(engine, cfg)
-        self.fit = fit
+        self.fit = fit or fit_of(cfg)
         self.sequences = sequences
         self.every = cfg.refit_every
         self.share = cfg.refit_share
