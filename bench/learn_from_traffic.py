@@ -62,7 +62,7 @@ def main() -> int:
     pipe.learned = lesson
     after = judged(engine, test)
     pipe.learned = None
-    cosine = cosine_baseline(pipe, vectors[:cut], learn, vectors[cut:], test, outcome.calibration.precision)
+    cosine = cosine_baseline(pipe, vectors[:cut], learn, vectors[cut:], test, outcome.calibration.precision, args.objective)
     out = {
         "catalog": args.catalog, "labeled": args.labeled, "model": pipe.embedder.name, "seed": args.seed,
         "learned_from": {"turns": len(learn), "called": sum(it.positive for it in learn)},
@@ -109,9 +109,9 @@ def rates(items, injects: list[set[str]], firsts: list[str | None]) -> dict[str,
     }
 
 
-def cosine_baseline(pipe, learn_vectors, learn, test_vectors, test, precision: float) -> dict[str, float]:
+def cosine_baseline(pipe, learn_vectors, learn, test_vectors, test, precision: float, objective: str = "recall") -> dict[str, float]:
     """Plain cosine to each tool's description, its single best tool injected, one bar fitted
-    on the learned part as the lesson's is: the most recall at no less than `precision` (the
+    on the learned part as the lesson's is: the best `objective` at no less than `precision` (the
     calibration's there); with none, the best balanced score of right-tool-fired and none-silent."""
     index = pipe.index_for("user")
 
@@ -121,7 +121,7 @@ def cosine_baseline(pipe, learn_vectors, learn, test_vectors, test, precision: f
 
     s, first = best(learn_vectors)
     truth = [first_tool(it) for it in learn]
-    bar = best_bar(s, first, truth, precision)
+    bar = best_bar(s, first, truth, precision, objective=objective)
     if bar is None:
         cuts = np.unique(np.round(s, 4))
         bar = float(cuts[int(np.argmax([balanced(s, first, truth, c) for c in cuts]))])

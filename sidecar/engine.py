@@ -28,7 +28,6 @@ from .recommend.filters import Context
 from .recommend.recommender import Recommendation, Recommendations, Recommender
 from .recommend.sequences import Rule, Sequences
 from .store import Store, open_store
-from .learn.traffic import with_lesson
 
 
 class Judgement(msgspec.Struct):
@@ -199,7 +198,7 @@ class Sidecar:
         pipe = self.pipeline
         if pipe.learned is None or pipe.learned.bar is None:
             return None
-        return with_lesson(pipe, None).thresholds_in_force[0]
+        return pipe.thresholds_without_lesson[0]
 
     @staticmethod
     def _context(contexts: Sequence[Context] | None, i: int, source: str) -> Context:

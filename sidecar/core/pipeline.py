@@ -206,14 +206,19 @@ class Pipeline:
         return self.own.get(str(self.strategies[source]))
 
     @property
-    def thresholds_in_force(self) -> tuple[Thresholds, str]:
-        """The thresholds a user turn is held to, and where they came from: the catalog's own
-        gate where it fitted one, else the calibration's; with a bar learned from traffic, that."""
+    def thresholds_without_lesson(self) -> tuple[Thresholds, str]:
+        """The thresholds a user turn is held to before any lesson from traffic, and where they
+        came from: the catalog's own gate where it fitted one, else the calibration's."""
         own = self.own_for("user")
         if own is not None and own.gate is not None:
-            t, origin = own.gate.thresholds, self.thresholds_origin + "+self-fit"
-        else:
-            t, origin = self.thresholds, self.thresholds_origin
+            return own.gate.thresholds, self.thresholds_origin + "+self-fit"
+        return self.thresholds, self.thresholds_origin
+
+    @property
+    def thresholds_in_force(self) -> tuple[Thresholds, str]:
+        """The thresholds a user turn is held to, and where they came from: those without a
+        lesson (`thresholds_without_lesson`), with a bar learned from traffic where one is."""
+        t, origin = self.thresholds_without_lesson
         if self.learned is not None and self.learned.bar is not None:
             return self.learned.thresholds(t), origin + "+traffic"
         return t, origin

@@ -427,7 +427,7 @@ def judge_vectors(pipeline: Pipeline, texts: Sequence[str], vectors: np.ndarray,
 
 def bar_without_lesson(pipeline: Pipeline) -> float:
     """The bar of user turns with no lesson applied."""
-    return with_lesson(pipeline, None).bar_in_force
+    return pipeline.thresholds_without_lesson[0].fallback
 
 
 def with_lesson(pipeline: Pipeline, learned: Learned | None) -> Pipeline:
