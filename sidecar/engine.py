@@ -21,7 +21,7 @@ from .core import models
 from .core.asks import split as split_asks
 from .core.catalog import Catalog
 from .config import Config, GateConfig
-from .core.gate import Decision, Thresholds, Timing, fires
+from .core.gate import Decision, Thresholds, Timing, Trigger, fires
 from .store.metrics import MetricsStore, StringCaps
 from .core.pipeline import Detected, Pipeline, Request, Views, from_config
 from .recommend.filters import Context
@@ -162,23 +162,30 @@ class Sidecar:
               rank_silent: bool = False) -> list[Judgement]:  # fmt: skip
         """Gate every request and each ask of a user turn of several (`asks.split`) in one
         batched embedding, then rank the tools for those that fired, each in its own context
-        (who asks, what it may be offered), on the views the gate scored. The best tool of each
-        ask that fires joins its turn's inject when the turn fired (a reply clause is one ask
-        already; a turn of one ask is untouched). `rank_silent`: rank the silent ones too (what
-        `eval` scores a ranking on); they still inject nothing."""
+        (who asks, what it may be offered), on the views the gate scored. A silent turn with an
+        ask that fires takes its strongest ask's decision: a request among chatter reads, whole,
+        like talk. The best tool of each firing ask then joins its turn's inject (a reply clause
+        is one ask already; a turn of one ask is untouched). `rank_silent`: rank the silent ones
+        too (what `eval` scores a ranking on); they still inject nothing."""
         asks = self._asks(requests)
         detected = self.detect_batch([*requests, *(Request(a, "user", requests[i].prior) for i, a in asks)])
         top = top or self.cfg.server.max_inject_tools
+        n = len(requests)
+        decisions = list(detected.decisions[:n])
+        firing = self._firing_asks(asks, detected.decisions[n:])
+        for i, d in enumerate(decisions):
+            if not d.fired and (strongest := max((k for k in firing if asks[k][0] == i), key=lambda k: _score(detected.decisions[n + k]), default=None)) is not None:
+                decisions[i] = _within(detected.decisions[n + strongest], requests[i].text, asks[strongest][1])
         out = []
-        for i, (r, d, vector, views) in enumerate(zip(requests, detected.decisions, detected.vectors, detected.views)):
+        for i, (r, d, vector, views) in enumerate(zip(requests, decisions, detected.vectors, detected.views)):
             ranked = None
             if d.fired or rank_silent:
                 ranked = self.recommender.recommend(r.text, self._context(contexts, i, r.source), top=top, query_vector=vector, views=views)
             out.append(Judgement(d, ranked, vector))
-        n = len(requests)
-        unlearned = self._ask_thresholds() if asks else None
-        for (i, ask), d, vector, views in zip(asks, detected.decisions[n:], detected.vectors[n:], detected.views[n:]):
-            if out[i].decision.fired and d.fired and (unlearned is None or fires([d.kind], np.array([d.score]), unlearned, [d.tool])[0]):
+        for k in firing:
+            i, ask = asks[k]
+            vector, views = detected.vectors[n + k], detected.views[n + k]
+            if out[i].decision.fired:
                 best = self.recommender.recommend(ask, self._context(contexts, i, "user"), top=1, query_vector=vector, views=views)
                 out[i].asks.extend(best.results[:1])
         if self.sequences.rules:
@@ -187,6 +194,13 @@ class Sidecar:
                 j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors, _relevance_of(j, rule.tool))) for r in picks
                             for rule in self.sequences.around(r.tool)]  # fmt: skip
         return out
+
+    def _firing_asks(self, asks: Sequence[tuple[int, str]], decisions: Sequence[Decision]) -> list[int]:
+        """The places in `asks` of those that fire: past the gate and, under a lesson, past
+        the thresholds without it (`_ask_thresholds`)."""
+        unlearned = self._ask_thresholds() if asks else None
+        return [k for k, d in enumerate(decisions)
+                if d.fired and (unlearned is None or fires([d.kind], np.array([d.score]), unlearned, [d.tool])[0])]  # fmt: skip
 
     def _ask_thresholds(self) -> Thresholds | None:
         """What an ask must pass to add its tool, beyond the thresholds in force: with a lesson
@@ -235,6 +249,18 @@ class Sidecar:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _score(d: Decision) -> float:
+    """What a decision's thresholds compared (0: none): how strongly an ask fires."""
+    return d.score or 0.0
+
+
+def _within(d: Decision, turn: str, ask: str) -> Decision:
+    """An ask's decision as its turn's: its trigger moved to where the ask stands in the turn."""
+    at = max(turn.find(ask), 0)
+    trig = d.trigger or Trigger(ask, 0, len(ask))
+    return msgspec.structs.replace(d, trigger=Trigger(trig.text, at + trig.start, at + trig.end))
 
 
 def _relevance_of(j: Judgement, tool: str) -> float:
