@@ -171,11 +171,11 @@ class Sidecar:
         detected = self.detect_batch([*requests, *(Request(a, "user", requests[i].prior) for i, a in asks)])
         top = top or self.cfg.server.max_inject_tools
         n = len(requests)
-        decisions = list(detected.decisions[:n])
-        firing = self._firing_asks(asks, detected.decisions[n:])
-        for i, d in enumerate(decisions):
-            if not d.fired and (strongest := max((k for k in firing if asks[k][0] == i), key=lambda k: _score(detected.decisions[n + k]), default=None)) is not None:
-                decisions[i] = _within(detected.decisions[n + strongest], requests[i].text, asks[strongest][1])
+        decisions, ask_decisions = list(detected.decisions[:n]), detected.decisions[n:]
+        firing = self._firing_asks(asks, ask_decisions)
+        for i, k in _strongest(asks, firing, ask_decisions).items():
+            if not decisions[i].fired:
+                decisions[i] = _within(ask_decisions[k], requests[i].text, asks[k][1])
         out = []
         for i, (r, d, vector, views) in enumerate(zip(requests, decisions, detected.vectors, detected.views)):
             ranked = None
@@ -251,9 +251,15 @@ class Sidecar:
             self.store.close()
 
 
-def _score(d: Decision) -> float:
-    """What a decision's thresholds compared (0: none): how strongly an ask fires."""
-    return d.score or 0.0
+def _strongest(asks: Sequence[tuple[int, str]], firing: Sequence[int], decisions: Sequence[Decision]) -> dict[int, int]:
+    """Of each turn's firing asks, the one its gate scored highest (the first of equals):
+    turn -> place in `asks`. `decisions` are the asks' own."""
+    best: dict[int, int] = {}
+    for k in firing:
+        i = asks[k][0]
+        if i not in best or (decisions[k].score or 0.0) > (decisions[best[i]].score or 0.0):
+            best[i] = k
+    return best
 
 
 def _within(d: Decision, turn: str, ask: str) -> Decision:
