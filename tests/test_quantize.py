@@ -234,3 +234,18 @@ def test_a_store_keeps_a_variants_hash_and_a_changed_file_is_still_refused(model
         f.write(b"\xff" * 64)
     with pytest.raises(models.ProvisioningError, match="checksum"):
         models.resolve(Q8, dest=d, auto_pull=False, digest=store.file_sha256)
+
+
+def test_a_quantised_file_loads_without_repacked_buffers_where_they_crash(model_dir):
+    """On a CPU with AMX int8, llama.cpp's repacked buffer types segfault in encode on a
+    quantised model (the test above died there on a Xeon); only there, and only for a
+    quantised file, the sidecar loads without them. The CPU's flags are given, so both
+    answers are checked on any machine; the model above embedded on this one."""
+    from sidecar.core.embed import repack_crashes
+
+    spec = models.KNOWN_MODELS[MINILM]
+    f16, q8 = str(model_dir / spec.filename), str(model_dir / models.variant_filename(spec, "q8_0"))
+    amx, plain = "fpu sse2 avx2 avx512f amx_bf16 amx_int8 amx_tile", "fpu sse2 avx2 fma"
+    assert repack_crashes(q8, cpu_flags=amx) and not repack_crashes(q8, cpu_flags=plain)
+    assert not repack_crashes(f16, cpu_flags=amx) and not repack_crashes(f16, cpu_flags=plain)
+    assert not repack_crashes(str(model_dir / "missing.gguf"), cpu_flags=amx)  # llama.cpp's load reports that one

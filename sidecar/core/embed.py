@@ -31,6 +31,60 @@ class Embedded(msgspec.Struct):
     truncated: list[bool]
 
 
+UNQUANTISED = frozenset({0, 1, 32})  # GGUF general.file_type: all F32, mostly F16, mostly BF16
+_PARAMS = threading.Lock()  # one load at a time swaps llama-cpp-python's default model params
+
+
+def repack_crashes(path: str, cpu_flags: str | None = None) -> bool:
+    """Whether llama.cpp's extra (repacked) CPU buffer types must stay off for this file:
+    with them, a quantised embedding model segfaults in encode on a CPU with AMX int8
+    (llama-cpp-python 0.3.36, Xeon Sapphire Rapids: `all-minilm-l6-v2:q8_0` and nomic's Q8_0
+    alike), and without them it embeds as it should. Only such a CPU reads the file's type."""
+    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    if "amx_int8" not in flags.split():
+        return False
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(path).fields.get("general.file_type")
+        file_type = int(field.parts[field.data[0]][0]) if field is not None else 0
+    except Exception:  # unreadable here: llama.cpp's own load says what is wrong with it
+        return False
+    return file_type not in UNQUANTISED
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.partition(":")[2] for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _without_extra_buffers(off: bool):
+    """Meanwhile, `Llama(...)` loads with `use_extra_bufts` false. Its constructor takes no such
+    argument: it starts from `llama_model_default_params()`, which is swapped for the load."""
+    import llama_cpp.llama_cpp as lib
+
+    if not off or "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
+        yield
+        return
+    default = lib.llama_model_default_params
+
+    def without():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    with _PARAMS:
+        lib.llama_model_default_params = without
+        try:
+            yield
+        finally:
+            lib.llama_model_default_params = default
+
+
 MAX_CTX = 8192  # tokens: no text the sidecar judges or indexes is longer
 PROBE_CTX = 512  # a model of unknown context is first loaded at this, then at its own
 
@@ -127,7 +181,7 @@ class Embedder:
             # plain attention spans every packed token (masked): a batch of 64 short texts
             # cost 1.5x their price one by one, with flash attention 0.75x (MiniLM, CPU time,
             # bench/embed_speed.py [--no-flash-attn]). Vectors agree to cosine 0.99999.
-            with progress.STDIO:  # it mutes stdout and stderr while it loads: no line of ours is lost meanwhile
+            with progress.STDIO, _without_extra_buffers(repack_crashes(path)):  # it mutes stdout and stderr while it loads: no line of ours is lost meanwhile
                 return Llama(model_path=path, embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
                              n_threads_batch=threads, flash_attn=flash_attn, verbose=False)  # fmt: skip
         except Exception as e:
