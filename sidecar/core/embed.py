@@ -35,22 +35,17 @@ UNQUANTISED = frozenset({0, 1, 32})  # GGUF general.file_type: all F32, mostly F
 _PARAMS = threading.Lock()  # one load at a time swaps llama-cpp-python's default model params
 
 
-def repack_crashes(path: str, cpu_flags: str | None = None) -> bool:
-    """Whether llama.cpp's extra (repacked) CPU buffer types must stay off for this file:
-    with them, a quantised embedding model segfaults in encode on a CPU with AMX int8
-    (llama-cpp-python 0.3.36, Xeon Sapphire Rapids: `all-minilm-l6-v2:q8_0` and nomic's Q8_0
-    alike), and without them it embeds as it should. Only such a CPU reads the file's type."""
+def repack_crashes(metadata: dict[str, str], cpu_flags: str | None = None) -> bool:
+    """Whether llama.cpp's extra (repacked) CPU buffer types must stay off for a model whose
+    GGUF metadata this is: with them, a quantised embedding model segfaults in encode on a
+    CPU with AMX int8 (llama-cpp-python 0.3.36, Xeon Sapphire Rapids: `all-minilm-l6-v2:q8_0`
+    and nomic's Q8_0 alike), and without them it embeds as it should."""
     flags = cpu_flags if cpu_flags is not None else _cpu_flags()
-    if "amx_int8" not in flags.split():
-        return False
     try:
-        import gguf
-
-        field = gguf.GGUFReader(path).fields.get("general.file_type")
-        file_type = int(field.parts[field.data[0]][0]) if field is not None else 0
-    except Exception:  # unreadable here: llama.cpp's own load says what is wrong with it
+        file_type = int(metadata.get("general.file_type", 0))
+    except ValueError:
         return False
-    return file_type not in UNQUANTISED
+    return "amx_int8" in flags.split() and file_type not in UNQUANTISED
 
 
 def _cpu_flags() -> str:
@@ -62,12 +57,12 @@ def _cpu_flags() -> str:
 
 
 @contextlib.contextmanager
-def _without_extra_buffers(off: bool):
+def _without_extra_buffers():
     """Meanwhile, `Llama(...)` loads with `use_extra_bufts` false. Its constructor takes no such
     argument: it starts from `llama_model_default_params()`, which is swapped for the load."""
     import llama_cpp.llama_cpp as lib
 
-    if not off or "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
+    if "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
         yield
         return
     default = lib.llama_model_default_params
@@ -181,9 +176,15 @@ class Embedder:
             # plain attention spans every packed token (masked): a batch of 64 short texts
             # cost 1.5x their price one by one, with flash attention 0.75x (MiniLM, CPU time,
             # bench/embed_speed.py [--no-flash-attn]). Vectors agree to cosine 0.99999.
-            with progress.STDIO, _without_extra_buffers(repack_crashes(path)):  # it mutes stdout and stderr while it loads: no line of ours is lost meanwhile
-                return Llama(model_path=path, embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                             n_threads_batch=threads, flash_attn=flash_attn, verbose=False)  # fmt: skip
+            load = lambda: Llama(model_path=path, embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,  # noqa: E731
+                                 n_threads_batch=threads, flash_attn=flash_attn, verbose=False)  # fmt: skip
+            with progress.STDIO:  # it mutes stdout and stderr while it loads: no line of ours is lost meanwhile
+                llm = load()
+                if repack_crashes(llm.metadata):  # loaded again without them: only a quantised file, only on such a CPU
+                    llm.close()
+                    with _without_extra_buffers():
+                        llm = load()
+                return llm
         except Exception as e:
             raise EmbedError(f"cannot load model {path}: {e}") from None
 
