@@ -182,12 +182,11 @@ class Sidecar:
             if d.fired or rank_silent:
                 ranked = self.recommender.recommend(r.text, self._context(contexts, i, r.source), top=top, query_vector=vector, views=views)
             out.append(Judgement(d, ranked, vector))
-        for k in firing:
+        for k in firing:  # each one's turn fired: by itself, or on its strongest ask above
             i, ask = asks[k]
-            vector, views = detected.vectors[n + k], detected.views[n + k]
-            if out[i].decision.fired:
-                best = self.recommender.recommend(ask, self._context(contexts, i, "user"), top=1, query_vector=vector, views=views)
-                out[i].asks.extend(best.results[:1])
+            best = self.recommender.recommend(ask, self._context(contexts, i, "user"), top=1, query_vector=detected.vectors[n + k],
+                                              views=detected.views[n + k])  # fmt: skip
+            out[i].asks.extend(best.results[:1])
         if self.sequences.rules:
             for j in out:
                 picks = j.picks(self.cfg.server.inject_margin, top)
