@@ -239,16 +239,16 @@ def test_a_store_keeps_a_variants_hash_and_a_changed_file_is_still_refused(model
 def test_a_quantised_file_loads_without_repacked_buffers_where_they_crash(model_dir):
     """On a CPU with AMX int8, llama.cpp's repacked buffer types segfault in encode on a
     quantised model (the test above died there on a Xeon); only there, and only for a
-    quantised file, the sidecar loads it again without them. The CPU's flags are given, so
-    both answers are checked on any machine, on the files' own metadata as llama.cpp read it;
-    the q8 model embeds on this machine whichever it is."""
-    from sidecar.core.embed import repack_crashes
+    quantised file, the sidecar loads it again without them. Whether llama.cpp uses AMX int8
+    is given, so both answers are checked on any machine, on the files' own metadata as
+    llama.cpp read it; the q8 model embeds on this machine whichever it is."""
+    from sidecar.core.embed import repack_crashes, system_info
 
     spec = models.KNOWN_MODELS[MINILM]
     f16 = Embedder(str(model_dir / spec.filename), name=MINILM, identity="f16", threads=1, max_tokens=spec.n_ctx)
     q8 = Embedder(str(model_dir / models.variant_filename(spec, "q8_0")), name=Q8, identity="q8", threads=1, max_tokens=spec.n_ctx)
-    amx, plain = "fpu sse2 avx2 avx512f amx_bf16 amx_int8 amx_tile", "fpu sse2 avx2 fma"
-    assert repack_crashes(q8._llm.metadata, cpu_flags=amx) and not repack_crashes(q8._llm.metadata, cpu_flags=plain)
-    assert not repack_crashes(f16._llm.metadata, cpu_flags=amx) and not repack_crashes(f16._llm.metadata, cpu_flags=plain)
-    assert not repack_crashes({}, cpu_flags=amx)  # no file type said: not taken for quantised
+    assert repack_crashes(q8._llm.metadata, amx_int8=True) and not repack_crashes(q8._llm.metadata, amx_int8=False)
+    assert not repack_crashes(f16._llm.metadata, amx_int8=True) and not repack_crashes(f16._llm.metadata, amx_int8=False)
+    assert not repack_crashes({}, amx_int8=True)  # no file type said: not taken for quantised
+    assert repack_crashes(q8._llm.metadata) == ("AMX_INT8 = 1" in system_info())  # this machine's own answer
     assert q8.embed(TEXTS).vectors.shape == (len(TEXTS), spec.dim)

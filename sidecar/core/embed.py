@@ -8,6 +8,7 @@ so, because a gate that judged half a message without knowing it is wrong silent
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -35,25 +36,28 @@ UNQUANTISED = frozenset({0, 1, 32})  # GGUF general.file_type: all F32, mostly F
 _PARAMS = threading.Lock()  # one load at a time swaps llama-cpp-python's default model params
 
 
-def repack_crashes(metadata: dict[str, str], cpu_flags: str | None = None) -> bool:
+@functools.cache
+def system_info() -> str:
+    """What llama.cpp says it was built with and found on this CPU ("AVX512_BF16 = 1 | ..."):
+    what it will compute with, where the CPU's own flags say only what exists."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+
+
+def repack_crashes(metadata: dict[str, str], amx_int8: bool | None = None) -> bool:
     """Whether llama.cpp's extra (repacked) CPU buffer types must stay off for a model whose
-    GGUF metadata this is: with them, a quantised embedding model segfaults in encode on a
-    CPU with AMX int8 (llama-cpp-python 0.3.36, Xeon Sapphire Rapids: `all-minilm-l6-v2:q8_0`
-    and nomic's Q8_0 alike), and without them it embeds as it should."""
-    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    GGUF metadata this is: with them, a quantised embedding model segfaults in encode where
+    llama.cpp runs int8 products on AMX (`amx_int8`; default: whether this build does, by
+    `system_info`). llama-cpp-python 0.3.36, Xeon Sapphire Rapids: `all-minilm-l6-v2:q8_0`
+    and nomic's Q8_0 alike; without them they embed as they should."""
     try:
         file_type = int(metadata.get("general.file_type", 0))
     except ValueError:
         return False
-    return "amx_int8" in flags.split() and file_type not in UNQUANTISED
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return next((line.partition(":")[2] for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+    if file_type in UNQUANTISED:
+        return False
+    return "AMX_INT8 = 1" in system_info() if amx_int8 is None else amx_int8
 
 
 @contextlib.contextmanager

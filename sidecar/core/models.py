@@ -106,10 +106,9 @@ def native_bf16() -> bool:
     embeds 1.25x (a short text) to 1.6x (catalog texts) faster on one thread, its vectors
     within cosine 0.99995 of f16's (docs/benchmarks.md, "Quantised models"); elsewhere ggml
     widens bf16 to f32 on the fly and f16 stays the faster file."""
-    import llama_cpp
+    from .embed import system_info
 
-    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-    return re.search(r"\bAVX512_BF16 = 1\b", info) is not None
+    return re.search(r"\bAVX512_BF16 = 1\b", system_info()) is not None
 
 
 def preferred_variant() -> str:
