@@ -248,7 +248,7 @@ def fit(
     # The catalog as shipped, without written cases (packs, a writer): the gate judges on it
     # (`Pipeline.gate_views`), so the head must learn on it. Fitted on pack-filled views, the
     # corpus' head leaned on cases the served gate never sees: held-out servers TP 78.5% ->
-    # 63.6%, AUROC 0.891 -> 0.865 (docs/benchmarks.md, "held-out servers").
+    # 63.6%, AUROC 0.891 -> 0.865 (docs/benchmarks.md, "save a text file").
     pipe = from_config(cfg, catalog=catalog, store=store, progress=progress is not None, calibration=False, cases=False)
     vectors = query_vectors(pipe, [i.text for i in items], progress is not None)
     requests = [Request(i.text, i.source) for i in fit_items]
