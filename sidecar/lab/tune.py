@@ -329,6 +329,7 @@ def fit(
     # Out of fold, for the thresholds and, where the model has a built-in calibration, to
     # choose what the fit starts from (the objective's value on texts each head never saw).
     tried: dict[str, float] = {}
+    chosen, oof = starts[0], np.full(len(rows), -1.0)
     for c in starts:  # ties keep the earlier, simpler start
         row_x = both(c.pool, np.ones(len(fit_items), bool))[0]  # rows in the order of `rows`
         p = np.full(len(rows), -1.0)
@@ -337,7 +338,7 @@ def fit(
             if train.sum() and test.sum():
                 p[test] = head_of(c, train).probability(row_x[test])
         tried[c.name] = _oof_value(GateScores(kinds[rows].tolist(), p.tolist(), row_y.tolist(), correct), objective)
-        if c is starts[0] or tried[c.name] > tried[chosen.name]:
+        if c is chosen or tried[c.name] > tried[chosen.name]:
             chosen, oof = c, p
     if len(starts) > 1:
         say("start: " + ", ".join(f"{n} {v:.3f}" for n, v in tried.items()) + f" out of fold ({objective}): {chosen.name}")
