@@ -147,7 +147,7 @@ def test_detect_recommend_eval_serve_and_the_proxy_rank_as_the_engine_does(tmp_p
     _recommend(toml, TEXTS, ranking)
     # eval, labelled with the engine's own first tools: every item right (or missed where the
     # gate is silent), and each item's top three and inject as the engine has them
-    _eval(toml, tmp_path, TEXTS, fired, ranking, inject)
+    _eval(toml, tmp_path, TEXTS, fired, ranking, inject, {t: {r.tool: r.score for r in engine.rank(Request(t), 10).results} for t in TEXTS})
     assert _served(cfg, TEXTS) == inject
     assert _proxied(toml, TEXTS) == inject
     engine.close()
@@ -202,7 +202,8 @@ def test_a_store_that_learned_from_traffic_ranks_alike_everywhere(tmp_path):
 
     _detect(toml, texts, texts, inject, gate)
     _recommend(toml, texts, ranking)
-    _eval(toml, tmp_path, texts, [t for t in texts if plain_judged[t].decision.fired], unlearned, plain_inject)
+    plain_scores = {t: {r.tool: r.score for r in plain.rank(Request(t), 10).results} for t in texts}
+    _eval(toml, tmp_path, texts, [t for t in texts if plain_judged[t].decision.fired], unlearned, plain_inject, plain_scores)
     assert _served(cfg, texts) == inject
     mcp_json = tmp_path / "mcp.json"
     mcp_json.write_text(json.dumps({"mcpServers": {"bfcl": {"command": sys.executable, "args": [str(CATALOG_SERVER), str(BFCL / "catalog.json")]}}}))
@@ -228,9 +229,13 @@ def _recommend(toml: str, texts: list[str], ranking: dict) -> None:
         assert [r["tool"] for r in got["results"]] == ranking[t], t
 
 
-def _eval(toml: str, tmp_path, texts: list[str], fired: list[str], ranking: dict, inject: dict) -> None:
+def _eval(toml: str, tmp_path, texts: list[str], fired: list[str], ranking: dict, inject: dict, scores: dict) -> None:
     """`sidecar eval --items`, labelled with `ranking`'s first tools: every item right where the
-    gate fires (missed where it is silent), and each item's top three and inject as given."""
+    gate fires (missed where it is silent), and each item's top three and inject as given.
+
+    eval embeds its texts 16 at a time, the other doors one at a time, and llama.cpp's batched
+    vectors differ from single ones in the 4th decimal (../shared/notes): two tools whose
+    scores (`scores`, the reference's) lie within `TIED` of each other may swap places here."""
     labeled, items = tmp_path / "own.jsonl", tmp_path / "items.jsonl"
     labeled.write_text("".join(json.dumps({"text": t, "expect": ranking[t][0]}) + "\n" for t in texts))
     report = json.loads(_sidecar("eval", "--json", "-q", "--config", toml, "--labeled", str(labeled), "--items", str(items)))
@@ -239,8 +244,16 @@ def _eval(toml: str, tmp_path, texts: list[str], fired: list[str], ranking: dict
     assert set(outcomes) == set(texts)
     for t, o in outcomes.items():
         assert o["verdict"] == ("right" if t in fired else "missed"), o
-        assert o["top"] == ranking[t], t
-        assert o.get("injected", []) == inject[t], t  # left out when empty
+        assert _alike(o["top"], ranking[t], scores[t]), (t, o["top"], ranking[t])
+        assert _alike(o.get("injected", []), inject[t], scores[t]), t  # left out when empty
+
+
+TIED = 1e-3  # recommendation scores this close swap between a batched and a single embedding
+
+
+def _alike(got: list[str], want: list[str], scores: dict[str, float]) -> bool:
+    """The same tools in the same order, but for neighbours whose scores are tied within TIED."""
+    return len(got) == len(want) and all(g == w or abs(scores.get(g, -1.0) - scores.get(w, 2.0)) <= TIED for g, w in zip(got, want))
 
 
 def _served(cfg, texts: list[str]) -> dict[str, list[str]]:
