@@ -62,6 +62,7 @@ from .openai_upstream import Scripted, Upstream
 
 CATALOG = CATALOGS / "filesystem.json"
 K = 3  # tools compared: the ranking's head, and what an inject holds
+TIED = 1e-3  # recommendation scores this close swap between a batched and a single embedding
 TEXTS = [  # user turns that name no tool; some fire, some stay silent (ranked all the same)
     "open the settings file and show me what is in it",  # two asks: each ask's best joins the inject (here within the head)
     "write these notes into a new file named todo.txt",
@@ -246,9 +247,6 @@ def _eval(toml: str, tmp_path, texts: list[str], fired: list[str], ranking: dict
         assert o["verdict"] == ("right" if t in fired else "missed"), o
         assert _alike(o["top"], ranking[t], scores[t]), (t, o["top"], ranking[t])
         assert _alike(o.get("injected", []), inject[t], scores[t]), t  # left out when empty
-
-
-TIED = 1e-3  # recommendation scores this close swap between a batched and a single embedding
 
 
 def _alike(got: list[str], want: list[str], scores: dict[str, float]) -> bool:

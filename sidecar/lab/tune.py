@@ -329,7 +329,7 @@ def fit(
     # Out of fold, for the thresholds and, where the model has a built-in calibration, to
     # choose what the fit starts from (the objective's value on texts each head never saw).
     tried: dict[str, float] = {}
-    chosen, oof = starts[0], np.full(len(rows), -1.0)
+    chosen = starts[0]  # replaced in the loop by a start that does better out of fold
     for c in starts:  # ties keep the earlier, simpler start
         row_x = both(c.pool, np.ones(len(fit_items), bool))[0]  # rows in the order of `rows`
         p = np.full(len(rows), -1.0)
