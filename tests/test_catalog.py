@@ -72,3 +72,41 @@ def test_unreadable_and_invalid_json(tmp_path):
         catalog.load([tmp_path / "x.json"])
     with pytest.raises(CatalogError, match="no catalog given"):
         catalog.load([])
+
+
+# --- what many tools say: the index reads each description without it ----------------------
+
+BFCL_MT = CATALOGS.parent / "transcripts" / "bfcl-multi-turn" / "catalog.json"
+
+
+def test_a_servers_boilerplate_is_shared_and_left_out_of_what_the_index_reads():
+    c = catalog.load([BFCL_MT])
+    shared = catalog.shared_sentences(c)
+    assert "This tool belongs to the Gorilla file system." in shared and "Tool description:" in shared
+    read = catalog.distinct(c, shared)
+    assert read.get("cat").description == "Display the contents of a file of any extension from currrent directory."
+    assert c.get("cat").description.startswith("This tool belongs to the Gorilla file system.")  # the served tool keeps it
+    assert [t.name for t in read] == c.names()
+    assert all(a.description != b.description for a, b in zip(c, read))
+
+
+def test_a_sentence_fewer_tools_say_a_wrapped_line_and_a_description_of_boilerplate_alone_stay():
+    boiler = "Only works within allowed directories."
+    tools = [
+        {"name": "read", "description": f"Read a file.\nServer/Data Center\ninstances only. {boiler}"},
+        {"name": "write", "description": f"Write a file.  Creates it if missing. {boiler}"},
+        {"name": "move", "description": f"Move a file. {boiler}"},
+        {"name": "guard", "description": boiler},
+        {"name": "stat", "description": "Server/Data Center\nonly a stat. Not shared here."},
+        {"name": "list", "description": "Server/Data Center\nlists. Not shared here."},
+    ]
+    c = catalog.from_tools(tools)
+    shared = catalog.shared_sentences(c)
+    assert boiler in shared and "Server/Data Center" not in shared  # a wrapped line's head is no sentence
+    assert "Not shared here." not in shared  # two tools say it: below SHARED_BY
+    read = catalog.distinct(c)
+    assert read.get("read").description == "Read a file.\nServer/Data Center\ninstances only."
+    assert read.get("write").description == "Write a file.  Creates it if missing."  # its spacing kept
+    assert read.get("guard").description == boiler  # nothing of its own: kept whole
+    assert read.get("stat") is c.get("stat")
+    assert catalog.distinct(catalog.from_tools(tools[:2])).get("read").description == tools[0]["description"]

@@ -184,6 +184,20 @@ def test_reindex_embeds_only_what_changed(tmp_path):
     assert pipe.catalog is changed and len(pipe.index_for("user")) == len(tools)
 
 
+def test_the_index_reads_each_description_without_what_the_servers_tools_all_say(tmp_path):
+    """BFCL multi-turn's tools each begin with their API's paragraph ("This tool belongs to the
+    Gorilla file system. It is a simple file system that ..."): the index embeds and derives
+    from what follows; the catalog served keeps the whole description."""
+    bfcl = ROOT / "fixtures" / "transcripts" / "bfcl-multi-turn" / "catalog.json"
+    pipe = _pipeline(models.SMALL_MODEL, tmp_path / "s.db", [bfcl])
+    entry = pipe.index_for("user").entries["cat"]
+    assert entry.primary_text == "cat: Display the contents of a file of any extension from currrent directory."
+    assert not any("belongs to" in t for t in entry.texts)
+    assert pipe.catalog.get("cat").description.startswith("This tool belongs to the Gorilla file system.")
+    d = pipe.detect("show me what is written in report.txt")
+    assert d.candidates[0].tool == "cat"
+
+
 def test_whole_catalog_of_real_servers_ranks_a_plain_request(tmp_path):
     pipe = _pipeline(models.SMALL_MODEL, tmp_path / "s.db", [CATALOGS / "filesystem.json", CATALOGS / "git.json"])
     d = pipe.detect("show me the git log of the last five commits")

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 import orjson
+import regex
 
 from ..jsonl import read_json
 
@@ -161,3 +162,76 @@ def from_tools(tools: Iterable[dict[str, Any]], origin: str = "<session>") -> Ca
     """A catalog from in-memory definitions (e.g. tools sent in a session's hello)."""
     _, parsed = parse_tools({"tools": list(tools)}, origin)
     return Catalog(parsed, [origin])
+
+
+SHARED_BY = 3  # a sentence this many tools' descriptions say tells none of them apart
+_SPLIT = regex.compile(r"((?<=[.!?])\s+)")  # sentence, the space after it, sentence, ...
+_WHOLE = regex.compile(r"^[^a-z].*\s.*[.!?]$", regex.S)  # two words or more, not a wrapped line's tail, ending as sentences end
+_LABEL = regex.compile(r"^([A-Za-z][\w ]{0,29}):\s+")  # "Tool description: ..."
+
+
+def _sentences(description: str) -> list[list[tuple[str, bool]]]:
+    """Per line, its sentences and whether each is whole: a line of hard-wrapped prose
+    ("Server/Data Center\ninstances do not ...") begins and ends in mid-sentence."""
+    out: list[list[tuple[str, bool]]] = []
+    ended = True  # the line before ended a sentence (or there was none)
+    for line in description.splitlines():
+        parts = _SPLIT.split(line.strip())[::2] if line.strip() else []
+        out.append([(p, (ended or i > 0) and bool(_WHOLE.match(p))) for i, p in enumerate(parts)])
+        ended = not parts or parts[-1][-1:] in ".!?:"
+    return out
+
+
+def shared_sentences(catalog: Iterable[Tool]) -> frozenset[str]:
+    """The sentences that SHARED_BY or more tools' descriptions say, and the lead-in labels
+    ("Tool description:") that as many begin a sentence with: a server's boilerplate ("This
+    tool belongs to the trading system, which allows users to ...", "Only works within allowed
+    directories.") is the same for each of its tools, so in a tool's embedded text it dilutes
+    what the tool alone does and, leading it, takes the place of its first sentence. Labels are
+    kept with their colon; `own_description` drops one only where it leads what is left."""
+    said: dict[str, int] = {}
+    for tool in catalog:
+        seen: set[str] = set()
+        for line in _sentences(tool.description or ""):
+            for s, whole in line:
+                if whole:
+                    seen.add(s)
+                if (label := _LABEL.match(s)) is not None:
+                    seen.add(label.group(1) + ":")
+        for s in seen:
+            said[s] = said.get(s, 0) + 1
+    return frozenset(s for s, n in said.items() if n >= SHARED_BY)
+
+
+def own_description(description: str, shared: frozenset[str]) -> str:
+    """`description` without the `shared` sentences and a shared label leading what is left,
+    cut from each line so its spacing stays (two spaces part sentences for cases.derive); the
+    description itself where nothing else would be left."""
+    lines: list[str] = []
+    for line, said in zip(description.splitlines(), _sentences(description)):
+        if any(whole and s in shared for s, whole in said):
+            parts = _SPLIT.split(line.strip())
+            line = "".join(
+                p for i in range(0, len(parts), 2) if not (said[i // 2][1] and parts[i] in shared) for p in parts[i : i + 2]
+            ).strip()
+            if not line:
+                continue
+        if not any(ln.strip() for ln in lines) and (label := _LABEL.match(line.lstrip())) is not None and label.group(1) + ":" in shared:
+            line = line.lstrip()[label.end():]
+        lines.append(line)
+    own = "\n".join(lines).strip()
+    return own if own else description
+
+
+def distinct(catalog: Catalog, shared: frozenset[str] | None = None) -> Catalog:
+    """The catalog as the index reads it: each description without what `shared` (default:
+    this catalog's `shared_sentences`) says many tools say. The catalog served keeps every
+    word: an LLM calling the tool needs the boilerplate's rules."""
+    shared = shared_sentences(catalog) if shared is None else shared
+    if not shared:
+        return catalog
+    tools = []
+    for tool in catalog:
+        own = own_description(tool.description, shared) if tool.description else tool.description
+        tools.append(tool if own == tool.description else msgspec.structs.replace(tool, description=own))
+    return Catalog(tools, catalog.sources)

@@ -175,17 +175,21 @@ class Pipeline:
         written = bool(self.written)
         built: dict[str, ToolIndex] = {}
         described: dict[str, ToolIndex] = {}
-        shipped = Catalog([self.written.get(t.name, t) for t in catalog], catalog.sources) if written else None
+        # The index reads each description without what many of the whole catalog's say
+        # (catalog.shared_sentences); what is served keeps it.
+        shared = catalog_mod.shared_sentences(self.whole)
+        indexed = catalog_mod.distinct(catalog, shared)
+        shipped = catalog_mod.distinct(Catalog([self.written.get(t.name, t) for t in catalog], catalog.sources), shared) if written else None
         for strategy in dict.fromkeys(self.strategies.values()):
             key = str(strategy)
-            built[key] = ToolIndex.build(catalog, self.embedder, strategy, self.store, self.indexes.get(key), persist, self.examples,
+            built[key] = ToolIndex.build(indexed, self.embedder, strategy, self.store, self.indexes.get(key), persist, self.examples,
                                          progress)  # fmt: skip
             if shipped is not None:  # as a start on the descriptions indexed them: in the store after one
                 previous = self.described.get(key) or self.indexes.get(key)
                 described[key] = ToolIndex.build(shipped, self.embedder, strategy, self.store, previous, persist, self.examples, progress)
         self.indexes, self.described, self.catalog = built, described, catalog
-        self.lexical = LexicalIndex.bm25_of(catalog, self.store if persist else None)  # a restart reads it back
-        self.symbolic = SymbolicIndex(list(catalog))
+        self.lexical = LexicalIndex.bm25_of(indexed, self.store if persist else None)  # a restart reads it back
+        self.symbolic = SymbolicIndex(list(indexed))
         self.own = {}
         for key, index in built.items():
             if self.self_fit and index.classifier is not None and not partial:
@@ -557,7 +561,8 @@ def from_config(cfg: Config, *, catalog: Catalog | None = None, progress: bool =
     casebook = book_for(store, cfg.cases.packs) if cfg.cases.fill and cases else None
     whole = cat
     if at_once:
-        warm = set.intersection(*(stored_tools(cat, embedder, s, store) for s in set(strategies.values())))
+        indexed = catalog_mod.distinct(cat)  # as reindex reads it
+        warm = set.intersection(*(stored_tools(indexed, embedder, s, store) for s in set(strategies.values())))
         if len(cat) - len(warm) > COLD_AT_ONCE:
             cat = Catalog([t for t in cat if t.name in warm], cat.sources)
     return Pipeline(embedder, cat, pats, thresholds, strategies, store, cfg.index.top_k, origin, ranker, head, cfg.index.query_cache, examples,
