@@ -166,8 +166,12 @@ def from_tools(tools: Iterable[dict[str, Any]], origin: str = "<session>") -> Ca
 
 SHARED_BY = 3  # a sentence this many tools' descriptions say tells none of them apart
 _SPLIT = regex.compile(r"((?<=[.!?])\s+)")  # sentence, the space after it, sentence, ...
-_WHOLE = regex.compile(r"^[^a-z].*\s.*[.!?]$", regex.S)  # two words or more, not a wrapped line's tail, ending as sentences end
 _LABEL = regex.compile(r"^([A-Za-z][\w ]{0,29}):\s+")  # "Tool description: ..."
+
+
+def _whole(s: str) -> bool:
+    """Two words or more, not a wrapped line's tail (lower case first), ending as sentences end."""
+    return not s[0].islower() and s[-1] in ".!?" and " " in s
 
 
 def _sentences(description: str) -> list[list[tuple[str, bool]]]:
@@ -177,7 +181,7 @@ def _sentences(description: str) -> list[list[tuple[str, bool]]]:
     ended = True  # the line before ended a sentence (or there was none)
     for line in description.splitlines():
         parts = _SPLIT.split(line.strip())[::2] if line.strip() else []
-        out.append([(p, (ended or i > 0) and bool(_WHOLE.match(p))) for i, p in enumerate(parts)])
+        out.append([(p, (ended or i > 0) and _whole(p)) for i, p in enumerate(parts)])
         ended = not parts or parts[-1][-1:] in ".!?:"
     return out
 
@@ -232,6 +236,7 @@ def distinct(catalog: Catalog, shared: frozenset[str] | None = None) -> Catalog:
         return catalog
     tools = []
     for tool in catalog:
-        own = own_description(tool.description, shared) if tool.description else tool.description
+        said = tool.description and any(s in tool.description for s in shared)  # most say none: no need to split them
+        own = own_description(tool.description, shared) if said else tool.description
         tools.append(tool if own == tool.description else msgspec.structs.replace(tool, description=own))
     return Catalog(tools, catalog.sources)
