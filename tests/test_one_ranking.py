@@ -84,7 +84,7 @@ LIVE_TEXTS = [  # for find_tool, over the filesystem and time servers
 ]
 BFCL = ROOT / "fixtures" / "transcripts" / "bfcl-multi-turn"
 CATALOG_SERVER = ROOT / "tests" / "mcp_servers" / "catalog_server.py"
-LOGGED = 25  # conversations of BFCL's learn.jsonl the store learns from: enough for a lesson in force
+LOGGED = 50  # conversations of BFCL's learn.jsonl the store learns from: enough for a lesson in force (25 were, before the index read past the APIs' shared paragraph)
 LEARNED_TEXTS = [  # the heads of user turns of BFCL's replay.jsonl (the half not learned from) whose ranking the lesson changes
     "I have secured my car by locking all doors and applying the parking brake.",
     "I'm ready to proceed with booking the flight.",

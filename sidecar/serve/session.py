@@ -305,7 +305,9 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
     taken, drop = ev.owner.admit([t.definition["name"] for t in tools])
     tools = tools[: len(taken)]
     ev.stream.injected.update(t.definition["name"] for t in tools)
-    ev.owner.remember_offer([t.definition["name"] for t in tools], [r.tool for r in v.judgement.ranked.results], ev.text)
+    names = [t.definition["name"] for t in tools]
+    ranking = [r.tool for r in v.judgement.ranked.results]  # the turn's; an ask's tool it lacks follows it
+    ev.owner.remember_offer(names, ranking + [n for n in names if n not in ranking], ev.text)
     trig = d.trigger
     lo, hi, text = (trig.start, trig.end, trig.text) if trig else (0, len(ev.text), ev.text)
     trigger = TriggerInfo(text, ev.start + lo, ev.start + hi, d.path)
