@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pathlib
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,12 @@ class Catalog:
 
     def names(self) -> list[str]:
         return list(self._by_name)
+
+    @functools.cached_property
+    def shared(self) -> frozenset[str]:
+        """`shared_sentences` of these tools, found once: a start reads them to look for stored
+        rows and again to index, and a cold start indexes the whole catalog part by part."""
+        return shared_sentences(self)
 
 
 def _fail(path: str, msg: str, tool: str | None = None) -> CatalogError:
@@ -229,9 +236,9 @@ def own_description(description: str, shared: frozenset[str]) -> str:
 
 def distinct(catalog: Catalog, shared: frozenset[str] | None = None) -> Catalog:
     """The catalog as the index reads it: each description without what `shared` (default:
-    this catalog's `shared_sentences`) says many tools say. The catalog served keeps every
+    this catalog's, `Catalog.shared`) says many tools say. The catalog served keeps every
     word: an LLM calling the tool needs the boilerplate's rules."""
-    shared = shared_sentences(catalog) if shared is None else shared
+    shared = catalog.shared if shared is None else shared
     if not shared:
         return catalog
     tools = []

@@ -176,8 +176,8 @@ class Pipeline:
         built: dict[str, ToolIndex] = {}
         described: dict[str, ToolIndex] = {}
         # The index reads each description without what many of the whole catalog's say
-        # (catalog.shared_sentences); what is served keeps it.
-        shared = catalog_mod.shared_sentences(self.whole)
+        # (Catalog.shared); what is served keeps it.
+        shared = self.whole.shared
         indexed = catalog_mod.distinct(catalog, shared)
         shipped = catalog_mod.distinct(Catalog([self.written.get(t.name, t) for t in catalog], catalog.sources), shared) if written else None
         for strategy in dict.fromkeys(self.strategies.values()):

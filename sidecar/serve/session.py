@@ -304,8 +304,8 @@ def inject_for(v: Verdict, margin: float) -> Inject | None:
         return None
     taken, drop = ev.owner.admit([t.definition["name"] for t in tools])
     tools = tools[: len(taken)]
-    ev.stream.injected.update(t.definition["name"] for t in tools)
     names = [t.definition["name"] for t in tools]
+    ev.stream.injected.update(names)
     ranking = [r.tool for r in v.judgement.ranked.results]  # the turn's; an ask's tool it lacks follows it
     ev.owner.remember_offer(names, ranking + [n for n in names if n not in ranking], ev.text)
     trig = d.trigger
