@@ -89,6 +89,11 @@ class Summary(msgspec.Struct):
     # the message of their first inject: the conversation as one stream, where a tool injected
     # early for a later step counts (precision above counts it only for its own message)
     used_after_inject: float = float("nan")
+    # The same figures for what user turns injected and what replies injected, apart: "user"
+    # and "assistant", each with its messages, injections, precision, false fires and recall
+    # (of the tools replies called, those injected by that side: the user turn answered, or
+    # the reply itself while it streamed)
+    by_role: dict[str, dict[str, float]] = {}
 
 
 def _truths(conv: Conversation) -> list[list[str]]:
@@ -290,6 +295,7 @@ class _Tally:
         self.context_tokens: list[float] = []
         self.calls = self.held = 0  # the tools replies called; those the model's context held by then
         self.offered = self.used = 0  # distinct tools injected per conversation; those called on or after
+        self.roles = {role: _Side() for role in ROLES}
 
     def add(self, truth: list[str], found: list[Detection], ahead: set[str] | None) -> None:
         """Precision counts every injected tool; recall counts each assistant message's tool
@@ -298,9 +304,15 @@ class _Tally:
         tools = [t for d in found for t in d.tools]
         self.injected += len(tools)
         self.right += sum(t in truth for t in tools)
+        side = self.roles["user" if ahead is None else "assistant"]
+        side.add(tools, truth)
         if ahead is not None:
             self.called += len(set(truth))
             self.found += len(set(truth) & (set(tools) | ahead))
+            side.found += len(set(truth) & set(tools))
+            for role in ROLES:
+                self.roles[role].called += len(set(truth))
+            self.roles["user"].found += len(set(truth) & ahead)
             if truth:
                 self.calling += 1
                 self.exact += set(truth) == set(tools) | ahead
@@ -320,6 +332,8 @@ class _Tally:
         self.held += o.held
         self.offered += o.offered
         self.used += o.used
+        for role in ROLES:
+            self.roles[role].merge(o.roles[role])
 
     def figures(self) -> dict[str, float]:
         return {
@@ -342,7 +356,32 @@ class _Tally:
             held_when_called=_ratio(self.held, self.calls), used_after_inject=_ratio(self.used, self.offered),
             context_tokens={**percentiles(self.context_tokens, (50, 90)),
                             "mean": sum(self.context_tokens) / len(self.context_tokens) if self.context_tokens else float("nan")},
+            by_role={role: side.figures() for role, side in self.roles.items()},
         )  # fmt: skip
+
+
+ROLES = ("user", "assistant")
+
+
+class _Side:
+    """What one side's messages (user turns, or replies) injected, and how much of it the replies called."""
+
+    def __init__(self) -> None:
+        self.messages = self.injected = self.right = self.false_fires = self.called = self.found = 0
+
+    def add(self, tools: list[str], truth: list[str]) -> None:
+        self.messages += 1
+        self.injected += len(tools)
+        self.right += sum(t in truth for t in tools)
+        self.false_fires += bool(tools) and not truth
+
+    def merge(self, o: _Side) -> None:
+        for k in ("messages", "injected", "right", "false_fires", "called", "found"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+
+    def figures(self) -> dict[str, float]:
+        return {"messages": self.messages, "injections": self.injected, "precision": _ratio(self.right, self.injected),
+                "false_fires": self.false_fires, "recall": _ratio(self.found, self.called)}  # fmt: skip
 
 
 def _ratio(n: int, d: int) -> float:
@@ -362,6 +401,8 @@ def describe(s: Summary) -> str:
         f"p90 {_shown(s.context_tokens.get('p90'), '.0f')} mean {_shown(s.context_tokens.get('mean'), '.0f')}; "
         f"called tools it held {_shown(s.held_when_called, '.3f')}",
         f"the conversation as one stream: injected tools called on or after their inject {_shown(s.used_after_inject, '.3f')}",
+        *(f"  {role} messages: {f['injections']:.0f} tools injected, precision {_shown(f['precision'], '.3f')}, "
+          f"recall {_shown(f['recall'], '.3f')}, false fires {f['false_fires']:.0f}" for role, f in s.by_role.items()),
     ]  # fmt: skip
     for cid, f in s.per_conversation.items():
         lines.append(f"  {cid}: {f['messages']:.0f} msgs, {f['injections']:.0f} injected, precision {_shown(f['precision'], '.2f')}, "

@@ -87,6 +87,14 @@ def test_replay_injects_before_the_tool_call_and_scores_it(pipe, tmp_path):
     assert math.isnan(summary.per_conversation["chat"]["exact_set"])  # no reply there called a tool
     assert summary.per_conversation["k8s"]["injections"] == len(injected)
     assert math.isnan(summary.per_conversation["chat"]["precision"])
+    # each side apart: the reply's own inject found its call; user turns and replies add up
+    sides = summary.by_role
+    assert sides["user"]["messages"] + sides["assistant"]["messages"] == summary.messages
+    assert sides["user"]["injections"] + sides["assistant"]["injections"] == summary.injections
+    assert sides["assistant"]["recall"] == 1.0 and sides["assistant"]["precision"] == pytest.approx(
+        sum(c for d in hits for c in d.correct) / sum(len(d.tools) for d in hits))
+    user = [d for d in detections if d.role == "user"]
+    assert sides["user"]["recall"] == (1.0 if any("semantic_search" in d.tools for d in user) else 0.0)
 
 
 def test_replay_counts_the_schemas_a_reply_holds_and_a_budget_bounds_them(pipe, tmp_path):
