@@ -146,6 +146,13 @@ def test_looking_at_something_announces_an_action(text, path):
         ("I will look up your reservation details.", "high:first_person"),
         ("I can look up your reservation details and assist you further.", "negative:uncommitted"),  # an offer
         ("Once you confirm, I can calculate the total for you.", "negative:uncommitted"),
+        # a commitment that waits on the customer's answer
+        ("Please confirm if you would like to proceed with this change, and I'll update your reservation.", "negative:waits_on_user"),
+        ("Please let me know which airport you are flying from, and I will search for flights.", "negative:waits_on_user"),
+        ("Once confirmed, I'll make the necessary changes.", "negative:waits_on_user"),
+        ("After you provide the order number, I will look up its status.", "negative:waits_on_user"),
+        ("Thanks for confirming, I'll update your reservation now.", "high:first_person"),
+        ("Please hold on while I will look up your reservation.", "high:first_person"),
     ],
 )
 def test_a_reply_that_offers_commits_to_nothing(text, path):
