@@ -88,7 +88,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     engine = Sidecar.open(_config(args), progress=not args.quiet)
     _apply_learned(engine, args.quiet)
     [judged] = engine.judge([Request(text, args.source)])
-    injected = judged.inject(engine.cfg.server.inject_margin)
+    injected = judged.inject(engine.cfg.server.margin_for(args.source))
     if args.json:
         pipe = engine.pipeline
         _print_json(output.detected(judged.decision, injected, pipe.embedder.name, *pipe.thresholds_in_force))

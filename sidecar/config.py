@@ -174,6 +174,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Also inject runners-up within this relevance of the best. Chosen on Seal-Tools' tuning
     # split (0.05 -> 0.03: recall of the called tools 88.1% -> 87.9%, precision 71.0% -> 74.6%).
     inject_margin: float = 0.03
+    # The same for a span of the model's reply: 0, its best tool alone. A reply fires as it
+    # commits ("I'll start", "let me pull up"), on a few words that rank close tools near-tied:
+    # its runners-up were right for 8 of 36 tools (tau airline both halves, the in-house
+    # transcripts; the best tool 46 of 104), a user turn's runners-up 13 of 118 (tau's second
+    # half), but much of BFCL multi-turn's recall, whose turns ask for several steps: user
+    # turns keep inject_margin.
+    reply_margin: float = 0.0
     max_inject_tools: int = 3
     # Tools one session keeps in the model's context at once (0: no bound). Past it an inject
     # names in `drop` the tools to take out: first the oldest never called (no tool_result),
@@ -261,14 +268,19 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"server.settle_ms={self.settle_ms} must be within 0..50 (CPU milliseconds of the event loop a span; 0: off)")
         if self.max_stream_chars < 16:
             raise ValueError(f"server.max_stream_chars={self.max_stream_chars} must be at least 16")
-        if not 0.0 <= self.inject_margin <= 1.0:
-            raise ValueError(f"server.inject_margin={self.inject_margin} must be within 0..1")
+        for key in ("inject_margin", "reply_margin"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"server.{key}={getattr(self, key)} must be within 0..1")
         if self.token is not None and not self.token.strip():
             raise ValueError("server.token is empty: unset it or give a secret")
         for key in ("max_batch_spans", "max_batch_ms", "shared_batch_ms", "max_hello_tools", "catalog_slice_tools", "session_catalogs", "outbox_messages",
                     "send_timeout_s", "store_busy_timeout_ms", "hello_timeout_s", "idle_timeout_s"):  # fmt: skip
             if getattr(self, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(self, key)} must be positive")
+
+    def margin_for(self, source: str) -> float:
+        """How close to the best tool a runner-up must rank to be injected with it, for a text of `source`."""
+        return self.reply_margin if source == "llm" else self.inject_margin
 
 
 class RecommendConfig(msgspec.Struct, forbid_unknown_fields=True):

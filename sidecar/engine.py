@@ -188,8 +188,8 @@ class Sidecar:
                                               views=detected.views[n + k])  # fmt: skip
             out[i].asks.extend(best.results[:1])
         if self.sequences.rules:
-            for j in out:
-                picks = j.picks(self.cfg.server.inject_margin, top)
+            for request, j in zip(requests, out):
+                picks = j.picks(self.cfg.server.margin_for(request.source), top)
                 j.around = [(rule, Recommendation(rule.tool, r.score, rule.why, r.factors, _relevance_of(j, rule.tool))) for r in picks
                             for rule in self.sequences.around(r.tool)]  # fmt: skip
         return out

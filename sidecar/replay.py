@@ -207,7 +207,7 @@ def _stream(session: Session, limits: ServerConfig, conv: Conversation, index: i
         batches = [session.on_token(stream, d, now) for d in _deltas(msg)] + [session.on_end(stream, now)]
     for evs in batches:
         for v in judge(evs)[0]:
-            inject = inject_for(v, limits.inject_margin)
+            inject = inject_for(v, limits.margin_for(v.ev.source))
             if inject is not None:
                 yield inject, v.ev.end
 

@@ -370,6 +370,21 @@ def test_a_tool_is_injected_once_per_stream_with_close_runners_up(notes):
     assert inject_for(verdict(ev4, d, ranked(("not_in_this_catalog", 0.9), ("read_note", 0.89))), 0.05).tools[0].definition["name"] == "read_note"
 
 
+def test_a_reply_span_injects_its_best_tool_alone_where_a_user_turn_takes_its_runners_up(notes):
+    limits = ServerConfig()
+    assert (limits.margin_for("user"), limits.margin_for("llm")) == (limits.inject_margin, limits.reply_margin) == (0.03, 0.0)
+    s = started(limits, notes)
+    close = ranked(("create_note", 0.70), ("update_note", 0.69), ("read_note", 0.50))
+    [turn] = s.on_user("u", "please note this", 0.0)
+    [span] = s.on_token("r", "I will note this down now.", 0.0) + s.on_end("r", 0.0)
+    assert span.source == "llm"
+    names = lambda ev: [t.definition["name"] for t in inject_for(verdict(ev, fired("create_note", 0.70), close), limits.margin_for(ev.source)).tools]  # noqa: E731
+    assert names(turn) == ["create_note", "update_note"]
+    assert names(span) == ["create_note"]
+    with pytest.raises(ValueError, match="reply_margin"):
+        ServerConfig(reply_margin=1.5).validate()
+
+
 def test_hello_becomes_the_recommenders_context():
     hello = Hello(session="s", agent="bot", permissions=["*_note"], project="infra")
     ctx = context_of(hello)

@@ -79,8 +79,8 @@ class Judge:
             return []
         verdicts, _ = await asyncio.get_running_loop().run_in_executor(self.executor, judge, evaluations)
         self.vectors.update((v.ev.stream.id, v.judgement.vector) for v in verdicts if v.ev.source == "user")
-        margin = self.cfg.server.inject_margin
-        return [inj for v in verdicts if (inj := inject_for(v, margin)) is not None]
+        limits = self.cfg.server
+        return [inj for v in verdicts if (inj := inject_for(v, limits.margin_for(v.ev.source))) is not None]
 
     async def user_turn(self, text: str, before: str = "") -> list[Inject]:
         """The injects for the last user turn: its own and, for a short turn ("and in Paris?")

@@ -820,7 +820,7 @@ class SidecarServer:
             return
         if ev.source == "user" and ev.owner.turns is not None:
             ev.owner.turns.embedded(ev.text, v.judgement.vector)
-        inject = inject_for(v, self.limits.inject_margin)
+        inject = inject_for(v, self.limits.margin_for(ev.source))
         if inject is not None:
             self.metrics.injections.labels(inject.tier).inc()
             conn.send(inject)
