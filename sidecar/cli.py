@@ -164,10 +164,12 @@ def _learn_traffic(args: argparse.Namespace, engine) -> int:
         print(f"forgot {tlog.reset()} traffic examples")
         return 0
     if args.logs:
-        turns, examples = log_examples(engine.pipeline, read_transcripts(args.logs, engine.catalog))
+        limits = engine.cfg.server
+        turns, examples = log_examples(engine.pipeline, read_transcripts(args.logs, engine.catalog), limits.span_words, limits.max_stream_chars)
         kept = tlog.add(examples)
         if not args.json:
-            print(f"read {len(turns)} user turns from {len(args.logs)} chat log(s): {kept} examples kept")
+            spans = sum(e.source == "llm" for e in examples)
+            print(f"read {len(turns)} user turns and {spans} reply spans that called from {len(args.logs)} chat log(s): {kept} examples kept")
     summary = tlog.summary()
     if len(engine.catalog):
         lesson, outcome = learn(engine, tlog)

@@ -70,7 +70,7 @@ def check_bounded_log(store) -> None:
         tlog.add([Example(f"{s}{i}", None if s == "B" else "read_file", v, s) for i in range(3)])
     kept = tlog.examples()
     assert len(kept) == 12 and [e.text for e in kept[:3]] == ["B0", "B1", "B2"]  # in all: the latest 12 (A's went first)
-    assert tlog.summary() == {"called": 9, "silent": 3, "sessions": 4, "tools": {"read_file": 9}}
+    assert tlog.summary() == {"called": 9, "silent": 3, "sessions": 4, "replies": 0, "tools": {"read_file": 9}}
     assert np.allclose(kept[0].vector, v)
     assert TrafficLog(store, "model-b").examples() == []  # another model's vectors mean nothing to this one
     assert tlog.reset() == 12 and tlog.examples() == []

@@ -264,7 +264,8 @@ class Pipeline:
         """Every tool's per-view scores and the ranker's blend, per request (each against
         the index of its source's strategy). A lesson from traffic adds, for user turns, the
         turns that called each tool: to the cases view, and as a view of its own that its
-        ranker weighs. `exclude_self`: a text that is one of those turns is not its own case.
+        ranker weighs; for a reply, the tool of a reply span said before (`said_before`).
+        `exclude_self`: a text that is one of those turns is not its own case.
         `described`: against the catalog as shipped (no written cases) with the built-in
         ranker, as the gate head judges (`gate_views`)."""
         out: list[Views | None] = [None] * len(requests)
@@ -290,6 +291,8 @@ class Pipeline:
             else:
                 own = None if described else self.own_for(source)
                 scores = (own.ranker if own else self.ranker).score(features[..., : len(RANK_FEATURES)])
+            if source == "llm" and self.learned is not None and len(self.learned.replies) and not described:
+                scores = said_before(scores, self.learned.cases(vectors[rows], index.names, exclude_self, source))
             for j, i in enumerate(rows):
                 out[i] = Views(index, scores[j : j + 1], cosine[j : j + 1], cases[j : j + 1], lex[j : j + 1],
                                None if logits is None else logits[j : j + 1], features[j], words[j : j + 1], self.symbolic.servers)  # fmt: skip
@@ -490,6 +493,24 @@ class Views(msgspec.Struct):
     features: np.ndarray | None = None  # (tools, views) what the ranker blended (a lesson from traffic: one view more)
     symbolic: np.ndarray | None = None  # (1, tools, 3) the action, clash and argument views (arguments.SymbolicIndex)
     servers: np.ndarray | None = None  # (tools,) each tool's server (learned.server_ids)
+
+
+# How near a reply span must lie to one learned from for its reply's tool to come first: the
+# few words a reply commits with ("let me check") lie near spans of every tool.
+REPLY_NEAR = 0.85
+
+
+def said_before(scores: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """Ranker scores of reply spans, with the tool of the nearest learned reply span first
+    where that span is within REPLY_NEAR: the agent said nearly this before and then called
+    it (`seen`: (spans, tools), each tool's best cosine over the learned spans that called it).
+    An agent words its steps the same way each time; the catalog's descriptions do not."""
+    best = seen.argmax(axis=1)
+    near = seen[np.arange(len(seen)), best] >= REPLY_NEAR
+    out = scores.copy()
+    rows = np.flatnonzero(near)
+    out[rows, best[rows]] = scores[rows].max(axis=1) + 1e-3
+    return out
 
 
 def shifted(p: float, log_odds: float) -> float:

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from ..core.gate import Request, Thresholds
+from ..core.stream import Segmenter
 from .learned import RankerFit, fit_logistic, held_views, logit
 
 if TYPE_CHECKING:
@@ -42,12 +43,15 @@ if TYPE_CHECKING:
 
 
 class Example(msgspec.Struct, frozen=True):
-    """A user turn and the tool called after it (None: no tool was called before the next turn)."""
+    """A user turn and the tool called after it (None: no tool was called before the next turn),
+    or (`source` "llm") a span of the model's reply that committed to an action and the tool the
+    reply then called."""
 
     text: str
     tool: str | None
     vector: np.ndarray | None = None  # the turn's query vector, when the engine embedded it
     session: str = ""
+    source: str = "user"
 
 
 @dataclass
@@ -113,13 +117,45 @@ def turns_of(examples: Sequence[Example]) -> list[list[int]]:
 LOG_SESSION = "log:"  # the session of a chat log's conversation: "log:" + its id (a live one is a connection id)
 
 
-def log_examples(pipeline: Pipeline, conversations: Sequence[Conversation]) -> tuple[list[Turn], list[Example]]:
-    """Chat logs' user turns, embedded, and their examples, one session per conversation."""
+def log_examples(pipeline: Pipeline, conversations: Sequence[Conversation], span_words: int = 12,
+                 max_chars: int = 512) -> tuple[list[Turn], list[Example]]:  # fmt: skip
+    """Chat logs' user turns, embedded, and their examples, one session per conversation; then
+    the spans of replies that commit and are followed by a call (`reply_spans`), as the
+    replies' examples. `span_words`, `max_chars`: the stream rules the server cuts spans by."""
     turns = transcript_turns(conversations)
-    vectors = pipeline.queries.embed(pipeline.embedder, [t.text for t in turns]).vectors
+    replies = reply_spans(pipeline, conversations, span_words, max_chars)
+    vectors = pipeline.queries.embed(pipeline.embedder, [t.text for t in turns] + [text for text, _, _ in replies]).vectors
     for t, v in zip(turns, vectors):
         t.vector = v
-    return turns, [e for t in turns for e in t.examples(LOG_SESSION + t.ref.rsplit(":", 1)[0])]
+    examples = [e for t in turns for e in t.examples(LOG_SESSION + t.ref.rsplit(":", 1)[0])]
+    examples += [Example(text, tool, v, LOG_SESSION + conv, "llm") for (text, tool, conv), v in zip(replies, vectors[len(turns):])]
+    return turns, examples
+
+
+def reply_spans(pipeline: Pipeline, conversations: Sequence[Conversation], span_words: int = 12,
+                max_chars: int = 512) -> list[tuple[str, str, str]]:  # fmt: skip
+    """(span, tool, conversation id) for each span of a reply that commits to an action (on a
+    high pattern's path, as a reply fires) when the reply, or the calls right after it before
+    any other text, called a tool: the first one called. What such a span means in this agent's
+    words ("let me retrieve that" for its user lookup) is what a catalog's descriptions lack."""
+    out: list[tuple[str, str, str]] = []
+    for conv in conversations:
+        msgs = conv.messages
+        for k, m in enumerate(msgs):
+            if m.role != "assistant" or not (m.content or "").strip():
+                continue
+            calls = [c.name for c in m.tool_calls or ()]
+            j = k + 1
+            while not calls and j < len(msgs) and msgs[j].role in ("assistant", "tool") and not (msgs[j].content or "").strip():
+                calls = [c.name for c in msgs[j].tool_calls or ()]
+                j += 1
+            if not calls:
+                continue
+            seg = Segmenter(span_words, max_chars)
+            for span in seg.feed(m.content) + seg.end():
+                if pipeline.route(Request(span.text, "llm")).path.startswith("high"):
+                    out.append((span.text, calls[0], conv.id))
+    return out
 
 
 def transcript_turns(conversations: Sequence[Conversation]) -> list[Turn]:
@@ -145,7 +181,8 @@ CREATE TABLE IF NOT EXISTS traffic_examples (
     session  TEXT NOT NULL,      -- the server's connection id (never a client-chosen name)
     text     TEXT NOT NULL,
     tool     TEXT,               -- NULL: no tool was called after the turn
-    vector   BLOB NOT NULL       -- float16, unit length
+    vector   BLOB NOT NULL,      -- float16, unit length
+    source   TEXT NOT NULL DEFAULT 'user'  -- 'llm': a span of a reply, and the tool the reply called
 );
 CREATE INDEX IF NOT EXISTS traffic_examples_session ON traffic_examples (session, id);
 """
@@ -160,18 +197,20 @@ class TrafficLog:
         self.limit, self.per_session = limit, max(1, int(limit * share))
         self.max_text_chars = max_text_chars
         store.ensure_schema(SCHEMA)
+        if "source" not in store.columns("traffic_examples"):  # a store from before replies were learned from
+            store.ensure_schema("ALTER TABLE traffic_examples ADD COLUMN source TEXT NOT NULL DEFAULT 'user'")
 
     def add(self, examples: Sequence[Example], now: float | None = None) -> int:
         """Keep the examples that have a vector; returns how many were kept."""
         ts = time.time() if now is None else now
-        rows = [(ts, self.model, e.session, e.text[: self.max_text_chars], e.tool, np.asarray(e.vector, np.float16).tobytes())
+        rows = [(ts, self.model, e.session, e.text[: self.max_text_chars], e.tool, np.asarray(e.vector, np.float16).tobytes(), e.source)
                 for e in examples if e.vector is not None]  # fmt: skip
         if not rows:
             return 0
         sessions = sorted({r[2] for r in rows})
 
         def write(tx) -> None:
-            tx.executemany("INSERT INTO traffic_examples (ts, model, session, text, tool, vector) VALUES (?,?,?,?,?,?)", rows)
+            tx.executemany("INSERT INTO traffic_examples (ts, model, session, text, tool, vector, source) VALUES (?,?,?,?,?,?,?)", rows)
             for s in sessions:
                 tx.execute("""DELETE FROM traffic_examples WHERE session = ? AND id NOT IN
                               (SELECT id FROM traffic_examples WHERE session = ? ORDER BY id DESC LIMIT ?)""", (s, s, self.per_session))  # fmt: skip
@@ -185,14 +224,15 @@ class TrafficLog:
 
     def examples(self) -> list[Example]:
         """This model's examples, oldest first."""
-        rows = self.store.query("SELECT text, tool, vector, session FROM traffic_examples WHERE model = ? ORDER BY id", (self.model,))
-        return [Example(t, tool, np.frombuffer(v, np.float16).astype(np.float32), s) for t, tool, v, s in rows]
+        rows = self.store.query("SELECT text, tool, vector, session, source FROM traffic_examples WHERE model = ? ORDER BY id", (self.model,))
+        return [Example(t, tool, np.frombuffer(v, np.float16).astype(np.float32), s, src) for t, tool, v, s, src in rows]
 
     def turn_calls(self) -> tuple[list[list[str]], set[str]]:
         """Each recorded user turn's tools in the order called (a turn is one example per tool,
         in a row), live and chat logs' alike, and the sessions they came from: what the tools
         that go together are learned from."""
-        rows = self.store.query("SELECT session, text, tool FROM traffic_examples WHERE model = ? AND tool IS NOT NULL ORDER BY id", (self.model,))
+        rows = self.store.query("SELECT session, text, tool FROM traffic_examples WHERE model = ? AND tool IS NOT NULL AND source = 'user' ORDER BY id",
+                                (self.model,))  # fmt: skip
         turns: list[list[str]] = []
         last = None
         for session, text, tool in rows:
@@ -203,11 +243,14 @@ class TrafficLog:
         return turns, {session for session, _, _ in rows}
 
     def summary(self) -> dict[str, object]:
-        rows = self.store.query("SELECT tool, COUNT(*), COUNT(DISTINCT session) FROM traffic_examples WHERE model = ? GROUP BY tool", (self.model,))
+        rows = self.store.query("SELECT tool, COUNT(*), COUNT(DISTINCT session) FROM traffic_examples WHERE model = ? AND source = 'user' GROUP BY tool",
+                                (self.model,))  # fmt: skip
         called = {t: n for t, n, _ in rows if t is not None}
         silent = next((n for t, n, _ in rows if t is None), 0)
         sessions = self.store.query("SELECT COUNT(DISTINCT session) FROM traffic_examples WHERE model = ?", (self.model,))[0][0]
-        return {"called": sum(called.values()), "silent": silent, "sessions": sessions, "tools": dict(sorted(called.items(), key=lambda kv: -kv[1]))}
+        replies = self.store.query("SELECT COUNT(*) FROM traffic_examples WHERE model = ? AND source = 'llm'", (self.model,))[0][0]
+        return {"called": sum(called.values()), "silent": silent, "sessions": sessions, "replies": int(replies),
+                "tools": dict(sorted(called.items(), key=lambda kv: -kv[1]))}  # fmt: skip
 
     def reset(self) -> int:
         """Forget every example (of every model); returns how many there were."""
@@ -244,12 +287,17 @@ class Learned:
     `called` (the turns followed by a call, as extra cases of the tool called: the cases view
     takes the nearer of the tool's own cases and these), both kinds as neighbours of the gate
     head (its near-tool / near-none features read the user's own turns beside the built-in
-    exemplars), and `bar`, the probability bar fitted on them (None: the calibration's)."""
+    exemplars), and `bar`, the probability bar fitted on them (None: the calibration's).
+    `replies` / `reply_tools`: the reply spans that committed and the tool the reply then
+    called, as extra cases for the model's replies (`cases(..., source="llm")`)."""
 
     def __init__(self, called: np.ndarray, tools: Sequence[str], silent: np.ndarray, bar: float | None = None,
-                 weights: np.ndarray | None = None, gate: TrafficGate | None = None, source: str = ""):  # fmt: skip
+                 weights: np.ndarray | None = None, gate: TrafficGate | None = None, source: str = "",
+                 replies: np.ndarray | None = None, reply_tools: Sequence[str] = ()):  # fmt: skip
         self.called = np.asarray(called, np.float32)
         self.tools = list(tools)
+        self.replies = np.asarray(replies if replies is not None else np.zeros((0, self.called.shape[-1])), np.float32)
+        self.reply_tools = list(reply_tools)
         self.silent = np.asarray(silent, np.float32)
         self.bar = bar
         self.weights = None if weights is None else np.asarray(weights, np.float32)  # over RANK_FEATURES + the turns' view
@@ -262,25 +310,28 @@ class Learned:
         """From examples: calls of tools the catalog no longer has are left out (the turn still
         asked for a tool: it is not a "no tool" either)."""
         known = set(names)
-        called = [e for e in examples if e.tool is not None and e.tool in known]
-        silent = [e for e in examples if e.tool is None]
+        called = [e for e in examples if e.tool is not None and e.tool in known and e.source == "user"]
+        silent = [e for e in examples if e.tool is None and e.source == "user"]
+        replies = [e for e in examples if e.tool is not None and e.tool in known and e.source == "llm"]
         dim = len(examples[0].vector) if examples else 0
         stack = lambda es: np.vstack([e.vector for e in es]) if es else np.zeros((0, dim), np.float32)  # noqa: E731
-        return cls(stack(called), [e.tool for e in called], stack(silent), bar, weights, gate, source)
+        return cls(stack(called), [e.tool for e in called], stack(silent), bar, weights, gate, source, stack(replies), [e.tool for e in replies])
 
     def __len__(self) -> int:
         return len(self.called) + len(self.silent)
 
-    def cases(self, vectors: np.ndarray, names: Sequence[str], exclude_self: bool = False) -> np.ndarray:
-        """(n, tools): each tool's best cosine over the turns that called it (-1: none did).
-        `exclude_self`: a text that is one of the turns does not count itself."""
+    def cases(self, vectors: np.ndarray, names: Sequence[str], exclude_self: bool = False, source: str = "user") -> np.ndarray:
+        """(n, tools): each tool's best cosine over the turns that called it (-1: none did), or
+        for `source` "llm" over the reply spans that did. `exclude_self`: a text that is one of
+        them does not count itself."""
+        rows, tools = (self.replies, self.reply_tools) if source == "llm" else (self.called, self.tools)
         out = np.full((len(vectors), len(names)), -1.0, np.float32)
-        if not len(self.called):
+        if not len(rows):
             return out
         column = {n: j for j, n in enumerate(names)}
-        cols = np.array([column.get(t, -1) for t in self.tools])
+        cols = np.array([column.get(t, -1) for t in tools])
         keep = cols >= 0
-        sims = vectors @ self.called[keep].T
+        sims = vectors @ rows[keep].T
         if exclude_self:
             sims = np.where(sims > 0.9995, -1.0, sims)
         np.maximum.at(out.T, cols[keep], sims.T)  # out[:, col] = max over that tool's turns
@@ -340,7 +391,8 @@ class TrafficFit(msgspec.Struct, frozen=True):
         names = pipeline.catalog.names()
         base_bar = bar_without_lesson(pipeline)
         known = set(names)
-        usable = [e for e in examples if e.vector is not None and (e.tool is None or e.tool in known)]
+        usable = [e for e in examples if e.source == "user" and e.vector is not None and (e.tool is None or e.tool in known)]
+        replies = [e for e in examples if e.source == "llm" and e.vector is not None and e.tool in known]
         called = sum(e.tool is not None for e in usable)
         silent = len(usable) - called
         if len(usable) < self.min_examples or not called:
@@ -379,7 +431,7 @@ class TrafficFit(msgspec.Struct, frozen=True):
         better = learned.recall >= now.recall + self.margin and learned.precision >= now.precision
         lesson = None
         if better:
-            lesson = Learned.of(usable, names, bar, gate=gate, source=source)
+            lesson = Learned.of(usable + replies, names, bar, gate=gate, source=source)
             lesson.weights = self._weights(pipeline, texts, vectors, truth, lesson, names)
         outcome = Outcome(len(usable), called, silent, now, learned, bar, better, round(time.perf_counter() - t0, 3),
                           "" if better else "no more recall at the same precision out of fold than the calibration alone",
